@@ -1,0 +1,36 @@
+"""orbax checkpoints of the params pytree: convert once from any source, then restore fast."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jpaged.models.config import ModelConfig
+
+ORBAX_MARKER = "jpaged_model.json"  # marks a directory written by save_checkpoint
+
+
+def save_checkpoint(directory: Path, config: ModelConfig, params: dict, tokenizer) -> None:
+    """Write `directory/params` (orbax), the model config and the tokenizer files."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory / "params", params, force=True)
+    (directory / ORBAX_MARKER).write_text(json.dumps(config.to_json_dict(), indent=2))
+    tokenizer.save_pretrained(str(directory))
+
+
+def restore_checkpoint(directory: Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
+    """Config and params (numpy, `dtype`) from a directory written by `save_checkpoint`."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).resolve()
+    config = ModelConfig.from_json_dict(json.loads((directory / ORBAX_MARKER).read_text()))
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(directory / "params")
+    return config, jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=dtype), restored)

@@ -1,0 +1,115 @@
+"""Architecture description shared by every loader: one frozen, hashable record per model.
+
+It is a static argument of the jitted step, so it holds only hashable values (tuples, not lists or dicts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+# HF `model_type` -> the family features our one Llama-shaped forward pass switches on.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on the q, k and v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None  # Mistral
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # sorted (key, value) pairs, e.g. llama3 scaling
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; jpaged supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["rope_scaling"] = self.rope_scaling_dict
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        return out
+
+    @classmethod
+    def from_json_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["rope_scaling"] = _freeze(kwargs.get("rope_scaling"))
+        kwargs["eos_token_ids"] = tuple(kwargs.get("eos_token_ids", ()))
+        return cls(**kwargs)
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelConfig:
+        """Build from a transformers `config.json` dict (old `rope_theta`/`rope_scaling` or new `rope_parameters`)."""
+        model_type = hf.get("model_type", "")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {model_type!r} (architectures={hf.get('architectures')}); "
+                f"jpaged supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = hf["num_attention_heads"]
+        rope = dict(hf.get("rope_parameters") or {})
+        rope_theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+        scaling = dict(hf.get("rope_scaling") or rope)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            scaling = {}
+        elif rope_type not in ("linear", "llama3"):
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3")
+        sliding_window = hf.get("sliding_window")
+        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+            sliding_window = None
+        if model_type in ("llama", "qwen3") and not hf.get("use_sliding_window", False):
+            sliding_window = None
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            rope_scaling=_freeze({**scaling, "rope_type": rope_type}) if scaling else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _freeze(mapping: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+    if not mapping:
+        return None
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in mapping.items()))

@@ -1,0 +1,144 @@
+"""The Llama family as one pure function: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
+
+Shapes: T tokens in the step, S sequences (rows whose logits are wanted), D hidden size, F MLP size, V vocabulary,
+L layers, Hq/Hk query/KV heads, Dh head dim, N blocks, B block size.
+
+Params pytree (weights stored [in, out]; per-layer leaves stacked on a leading L axis so `lax.scan` compiles one
+layer, not thirty; q/k/v and gate/up fused so each is one matmul):
+  embed [V, D], final_norm [D], lm_head [D, V] (absent when tied to embed),
+  layers: attn_norm [L, D], w_qkv [L, D, (Hq + 2 Hk) Dh], b_qkv [L, (Hq + 2 Hk) Dh] (Qwen2),
+          q_norm / k_norm [L, Dh] (Qwen3), wo [L, Hq Dh, D], mlp_norm [L, D], w_gate_up [L, D, 2F], w_down [L, F, D]
+KV cache: (k, v), each [L, N, B, Hk, Dh]; the step writes its new K/V through `slot_mapping` and attends through
+`block_tables`. Both are donated by the caller, so the scatter updates them in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.models.config import ModelConfig
+
+
+class StepBatch(NamedTuple):
+    """The padded batch the model runner builds from a schedule (all int32)."""
+
+    token_ids: jax.Array  # [T]
+    positions: jax.Array  # [T]
+    slot_mapping: jax.Array  # [T]  block * B + offset; padding writes to the null block 0
+    block_tables: jax.Array  # [S, P]
+    query_start: jax.Array  # [S + 1] cumulative query offsets
+    kv_lens: jax.Array  # [S] context length including this step's tokens
+    num_seqs: jax.Array  # [1] live sequences
+    logits_indices: jax.Array  # [R] token rows whose logits are returned
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [L, N, B, Hk, Dh]
+    v: jax.Array
+
+
+def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
+    shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Rotary inverse frequencies [Dh / 2], with linear or llama3 (Llama 3.1) scaling as in transformers."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = config.rope_scaling_dict
+    if not scaling:
+        return inv_freq.astype(np.float32)
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """transformers' rotate-half RoPE on [T, H, Dh] with cos/sin [T, 1, Dh]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def forward(
+    params: dict,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention: Callable,
+) -> tuple[jax.Array, KVCache]:
+    """Run the step's tokens through the model; returns (float32 logits [R, V], updated cache)."""
+    c = config
+    dtype = params["embed"].dtype
+    num_tokens = batch.token_ids.shape[0]
+    block_size = kv_cache.k.shape[2]
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    angles = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
+    cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    write_block, write_offset = batch.slot_mapping // block_size, batch.slot_mapping % block_size
+
+    def layer(carry, xs):
+        x, k_cache, v_cache = carry
+        lp, index = xs
+        h = _rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
+        qkv = h @ lp["w_qkv"]
+        if c.attention_bias:
+            qkv = qkv + lp["b_qkv"]
+        q = qkv[:, :q_size].reshape(num_tokens, c.num_heads, c.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = _rms_norm(q, lp["q_norm"], c.rms_norm_eps)
+            k = _rms_norm(k, lp["k_norm"], c.rms_norm_eps)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k_cache = k_cache.at[index, write_block, write_offset].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[index, write_block, write_offset].set(v.astype(v_cache.dtype))
+        attn = attention(
+            q,
+            k_cache,
+            v_cache,
+            index,
+            batch.kv_lens,
+            batch.block_tables,
+            batch.query_start,
+            batch.num_seqs,
+            sm_scale=c.head_dim**-0.5,
+            sliding_window=c.sliding_window,
+        )
+        x = x + attn.reshape(num_tokens, q_size).astype(dtype) @ lp["wo"]
+        h = _rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
+        gate, up = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
+        x = x + (jax.nn.silu(gate) * up) @ lp["w_down"]
+        return (x, k_cache, v_cache), None
+
+    x = params["embed"][batch.token_ids]
+    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (params["layers"], layer_ids))
+    h = _rms_norm(x[batch.logits_indices], params["final_norm"], c.rms_norm_eps)
+    lm_head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
+    logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32)
+    return logits, KVCache(k_cache, v_cache)

@@ -1,0 +1,116 @@
+"""Find a model (path, GGUF file, orbax checkpoint, hub id, or the embedded default) and load it.
+
+Every source yields the same `LoadedModel`: a ModelConfig, the params pytree (numpy, on host) and a tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from jpaged.default_model import default_model_path
+from jpaged.models.checkpoint import ORBAX_MARKER, restore_checkpoint
+from jpaged.models.config import ModelConfig
+from jpaged.models.params import param_stats, params_from_hf_names
+from jpaged.models.weights import gguf_reader, read_hf_config, safetensors_reader
+from jpaged.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hf" | "gguf" | "orbax"
+    path: Path  # the directory (hf, orbax) or the .gguf file
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict
+    tokenizer: PreTrainedTokenizerBase
+    source: ModelSource
+    load_seconds: float
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Where `model` lives and in what format; a hub id is downloaded (it needs network access)."""
+    if model is None:
+        return ModelSource("gguf", default_model_path())
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; give a GGUF file or a model directory")
+        return ModelSource("gguf", path)
+    if path.is_dir():
+        if (path / ORBAX_MARKER).exists():
+            return ModelSource("orbax", path)
+        if (path / "config.json").exists():
+            return ModelSource("hf", path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", ggufs[0])
+        raise ValueError(f"model directory {path} has no config.json, {ORBAX_MARKER} or single .gguf file")
+    if _HUB_ID.match(model) and not model.startswith("."):
+        return ModelSource("hf", _download(model))
+    raise ValueError(f"model path {model!r} does not exist")
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
+    except Exception as err:  # the hub client raises many types; all mean the same to a user
+        raise ValueError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub (offline, unknown repo or no access): {err}"
+        ) from err
+    return Path(local)
+
+
+def load_model(model: str | None = None, dtype=np.float32, *, progress: bool = True) -> LoadedModel:
+    """Load config, params and tokenizer from any supported source; logs time, parameter count and bytes."""
+    start = time.perf_counter()
+    source = resolve_model(model)
+    if source.kind == "orbax":
+        config, params = restore_checkpoint(source.path, dtype)
+        tokenizer = load_tokenizer(source.path)
+    elif source.kind == "hf":
+        config = read_hf_config(source.path)
+        params = params_from_hf_names(config, safetensors_reader(source.path), dtype, progress=progress)
+        tokenizer = load_tokenizer(source.path)
+    else:
+        config = _gguf_config(source.path)
+        params = params_from_hf_names(config, gguf_reader(source.path, config), dtype, progress=progress)
+        tokenizer = load_tokenizer(source.path.parent, gguf_file=source.path.name)
+    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(config.eos_token_ids, tokenizer))
+    seconds = time.perf_counter() - start
+    count, nbytes = param_stats(params)
+    logger.info(
+        "loaded %s (%s, %s) in %.2f s: %.1fM parameters, %.1f MiB",
+        source.path,
+        source.kind,
+        config.architecture,
+        seconds,
+        count / 1e6,
+        nbytes / 2**20,
+    )
+    return LoadedModel(config, params, tokenizer, source, seconds)
+
+
+def _gguf_config(path: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"cannot read GGUF model {path}: {err}") from err
+    return ModelConfig.from_hf_config(hf)

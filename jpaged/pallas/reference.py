@@ -1,0 +1,154 @@
+"""Pure-XLA ragged paged attention: the reference the Pallas kernels are tested against and the CPU path.
+
+Shapes (letters used throughout jpaged):
+  T  query tokens in the step (padded bucket)      S  sequences in the step (padded bucket)
+  N  physical KV blocks                            B  tokens per block
+  P  block-table width (pages per sequence)        Hq / Hk  query / KV heads, D  head dim
+
+It works like the kernels do, so its cost follows the real work rather than the padded shapes: an online softmax
+over chunks of each sequence's own pages, with loop trip counts taken from the data (`kv_lens`), never from
+`max_model_len`. The last query token of every sequence (all of a decode step) is computed for all sequences at
+once; the other tokens of prefill chunks go tile by tile through a loop over sequences.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite "minus infinity": keeps fully masked rows NaN-free
+_QUERY_TILE = 32  # prefill query rows per loop iteration
+_CHUNK_TOKENS = 256  # KV tokens gathered per online-softmax iteration
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]`; see jpaged.pallas for the full contract."""
+    del interpret  # same signature as the kernels
+    return paged_attention_stacked(
+        q,
+        k_pages[None],
+        v_pages[None],
+        jnp.int32(0),
+        kv_lens,
+        block_tables,
+        query_start,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+
+
+def paged_attention_stacked(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> jax.Array:
+    """The reference over one layer of a stacked cache `[L, N, B, Hk, D]`.
+
+    Indexing the layer inside the gathers (rather than slicing `k_cache[layer]` first) lets XLA read the pages in
+    place inside the model's layer scan instead of copying a whole layer's pool every step.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    pages_per_chunk = max(1, _CHUNK_TOKENS // block_size)
+    width = block_tables.shape[1]
+    padded_width = -(-width // pages_per_chunk) * pages_per_chunk
+    tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - width)))
+    num_seq_slots = kv_lens.shape[0]
+    seq_ids = jnp.arange(num_seq_slots)
+    live = seq_ids < num_seqs[0]
+    q_lens = jnp.where(live, query_start[1:] - query_start[:-1], 0)
+    kv_lens = jnp.where(live, kv_lens, 0)
+
+    def attend(queries, positions, table, kv_len):
+        """Online softmax of queries [R, Hk, G, D] at `positions` [R] over one sequence's pages."""
+        rows = queries.shape[0]
+        queries = queries.astype(jnp.float32) * sm_scale
+        chunk_len = pages_per_chunk * block_size
+        num_chunks = (jnp.minimum(jnp.max(positions) + 1, kv_len) + chunk_len - 1) // chunk_len
+
+        def body(c, state):
+            m, l, acc = state
+            pages = jax.lax.dynamic_slice_in_dim(table, c * pages_per_chunk, pages_per_chunk)
+            keys = k_cache[layer, pages].reshape(chunk_len, num_kv_heads, head_dim).astype(jnp.float32)
+            values = v_cache[layer, pages].reshape(chunk_len, num_kv_heads, head_dim).astype(jnp.float32)
+            scores = jnp.einsum("rkgd,lkd->rkgl", queries, keys)
+            if logits_soft_cap is not None:
+                scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+            key_pos = c * chunk_len + jnp.arange(chunk_len)
+            mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] < kv_len)
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > positions[:, None] - sliding_window
+            mask = mask[:, None, None, :]
+            scores = jnp.where(mask, scores, _NEG)
+            m_new = jnp.maximum(m, scores.max(-1))
+            p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+            correction = jnp.exp(m - m_new)
+            l = l * correction + p.sum(-1)
+            acc = acc * correction[..., None] + jnp.einsum("rkgl,lkd->rkgd", p, values)
+            return m_new, l, acc
+
+        init = (
+            jnp.full((rows, num_kv_heads, group), _NEG, jnp.float32),
+            jnp.zeros((rows, num_kv_heads, group), jnp.float32),
+            jnp.zeros((rows, num_kv_heads, group, head_dim), jnp.float32),
+        )
+        _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+        return acc / jnp.maximum(l, 1e-30)[..., None]
+
+    grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+
+    # Last token of every sequence: one vectorised pass (the whole of a decode step).
+    last_rows = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1)
+    last_out = jax.vmap(lambda row, table, kv_len: attend(grouped[row][None], (kv_len - 1)[None], table, kv_len))(
+        last_rows, tables, kv_lens
+    )[:, 0]
+
+    # Remaining prefill rows, tile by tile, sequence by sequence; the query array is padded by one tile so
+    # dynamic slices never clamp.
+    padded_q = jnp.pad(grouped, ((0, _QUERY_TILE), (0, 0), (0, 0), (0, 0)))
+    out = jnp.zeros((num_tokens + _QUERY_TILE, num_kv_heads, group, head_dim), jnp.float32)
+
+    def per_sequence(s, out):
+        start, q_len, kv_len = query_start[s], q_lens[s], kv_lens[s]
+        num_tiles = (q_len - 1 + _QUERY_TILE - 1) // _QUERY_TILE  # the last row is done above
+
+        def per_tile(t, out):
+            row0 = start + t * _QUERY_TILE
+            offsets = t * _QUERY_TILE + jnp.arange(_QUERY_TILE)
+            positions = kv_len - q_len + offsets
+            tile = attend(jax.lax.dynamic_slice_in_dim(padded_q, row0, _QUERY_TILE), positions, tables[s], kv_len)
+            keep = (offsets < q_len - 1)[:, None, None, None]
+            old = jax.lax.dynamic_slice_in_dim(out, row0, _QUERY_TILE)
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, tile, old), row0, 0)
+
+        return jax.lax.fori_loop(0, num_tiles, per_tile, out)
+
+    out = jax.lax.fori_loop(0, num_seqs[0], per_sequence, out)[:num_tokens]
+    last_rows = jnp.where(live & (q_lens > 0), last_rows, num_tokens)  # padding sequences write nowhere
+    out = out.at[last_rows].set(last_out, mode="drop")
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
