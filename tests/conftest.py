@@ -1,0 +1,105 @@
+"""Shared fixtures: the embedded model, its tokenizer, and tiny random transformers models saved to disk."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import functools  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jpaged.default_model import default_model_path  # noqa: E402
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    vocab_size=49152,  # the default tokenizer's vocabulary, so tiny models can take text
+    rms_norm_eps=1e-5,
+)
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", dict(TINY)),
+    "llama3_rope": (
+        "LlamaConfig",
+        dict(
+            TINY,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "smollm2_tied": ("LlamaConfig", dict(TINY, tie_word_embeddings=True, rope_theta=100000.0)),
+    "mistral_sliding": ("MistralConfig", dict(TINY, sliding_window=8)),
+    "qwen2_bias": ("Qwen2Config", dict(TINY, tie_word_embeddings=True)),
+    "qwen3_qk_norm": ("Qwen3Config", dict(TINY, head_dim=32)),
+}
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_gguf):
+    from jpaged.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_gguf.parent, gguf_file=default_gguf.name)
+
+
+@functools.cache
+def _save_tiny(family: str, root: str) -> Path:
+    import torch
+    import transformers
+
+    class_name, kwargs = TINY_FAMILIES[family]
+    config = getattr(transformers, class_name)(**kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = Path(root) / family
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_tokenizer):
+    """A function family -> directory holding a tiny random transformers model and the default tokenizer."""
+    root = tmp_path_factory.mktemp("tiny_models")
+
+    def make(family: str) -> Path:
+        path = _save_tiny(family, str(root))
+        if not (path / "tokenizer_config.json").exists():
+            default_tokenizer.save_pretrained(path)
+        return path
+
+    return make
+
+
+@functools.cache
+def hf_model(model_dir: Path):
+    """The transformers reference model (PyTorch CPU, float32), loaded once per directory."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_logits(model_dir: Path, token_ids: list[int]) -> np.ndarray:
+    """Reference logits [T, V] from transformers."""
+    import torch
+
+    model = hf_model(model_dir)
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].numpy()

@@ -1,0 +1,95 @@
+"""The model forward pass over the paged cache matches transformers for every supported family."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_FAMILIES, hf_logits
+
+from jpaged.models.llama import StepBatch, forward, init_kv_cache
+from jpaged.models.loader import load_model
+from jpaged.pallas import get_attention_fn
+
+BLOCK = 16
+
+
+class PagedRun:
+    """Drives the forward pass by hand: sequences get consecutive blocks, steps feed chosen token ranges."""
+
+    def __init__(self, loaded, num_seqs: int, max_len: int = 128):
+        self.config, self.params = loaded.config, jax.device_put(loaded.params)
+        self.width = max_len // BLOCK
+        self.cache = init_kv_cache(self.config, 1 + num_seqs * self.width, BLOCK, jnp.float32)
+        self.fn = jax.jit(functools.partial(forward, config=self.config, attention=get_attention_fn("reference")))
+
+    def step(self, seqs: list[list[int]], starts: list[int], ends: list[int]) -> list[np.ndarray]:
+        """Compute tokens [start, end) of each sequence; returns each sequence's logits for those tokens."""
+        tokens, positions, slots, query_start = [], [], [], [0]
+        tables = np.zeros((len(seqs), self.width), np.int32)
+        for i, (ids, start, end) in enumerate(zip(seqs, starts, ends, strict=True)):
+            tables[i] = 1 + i * self.width + np.arange(self.width)
+            pos = np.arange(start, end)
+            tokens += ids[start:end]
+            positions += list(pos)
+            slots += list(tables[i, pos // BLOCK] * BLOCK + pos % BLOCK)
+            query_start.append(query_start[-1] + end - start)
+        total = query_start[-1]
+        batch = StepBatch(
+            *(jnp.asarray(x, jnp.int32) for x in (tokens, positions, slots, tables, query_start, ends)),
+            jnp.asarray([len(seqs)], jnp.int32),
+            jnp.arange(total, dtype=jnp.int32),
+        )
+        logits, self.cache = self.fn(self.params, self.cache, batch)
+        logits = np.asarray(logits)
+        return [logits[query_start[i] : query_start[i + 1]] for i in range(len(seqs))]
+
+
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_logits_match_transformers_for_ragged_prefill_and_paged_decode(family, tiny_model_dir):
+    model_dir = tiny_model_dir(family)
+    loaded = load_model(str(model_dir), progress=False)
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, 49152, n))) for n in (5, 16, 23, 41)]
+    expected = [hf_logits(model_dir, p) for p in prompts]
+
+    run = PagedRun(loaded, len(prompts))
+    # Step 1: ragged prefill of all but the last 3 tokens of every prompt, in one batch.
+    lengths = [len(p) for p in prompts]
+    got = run.step(prompts, [0] * 4, [n - 3 for n in lengths])
+    # Steps 2-4: single-token decodes that read everything earlier from the paged cache.
+    for k in (3, 2, 1):
+        for i, logits in enumerate(run.step(prompts, [n - k for n in lengths], [n - k + 1 for n in lengths])):
+            got[i] = np.concatenate([got[i], logits])
+    for prompt_logits, reference in zip(got, expected, strict=True):
+        assert relative_error(prompt_logits, reference) < 1e-4
+
+
+def test_unsupported_architecture_is_a_value_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        load_model(str(tmp_path), progress=False)
+
+
+def test_missing_model_path_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model(str(tmp_path / "nope"), progress=False)
+
+
+def test_unreadable_model_config_is_a_value_error(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read model config"):
+        load_model(str(tmp_path), progress=False)
+
+
+def test_hub_id_offline_fails_with_one_clear_sentence(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="could not fetch 'some-org/some-model' from the Hugging Face hub"):
+        load_model("some-org/some-model", progress=False)
