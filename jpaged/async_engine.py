@@ -1,0 +1,123 @@
+"""AsyncLLMEngine: the engine loop in its own thread, one asyncio stream of outputs per request.
+
+The server's event loop never runs a device step: it adds and aborts requests (under a lock, between steps) and
+awaits outputs that the loop thread hands over with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from jpaged.config import EngineConfig
+from jpaged.engine import LLMEngine
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an exception; the server reports unhealthy."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="jpaged-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as it progresses (cumulative), the last one with `finished=True`.
+
+        Validation errors raise ValueError before anything is queued. If the consumer stops early (a client
+        disconnect cancels it), the request is aborted and its blocks are freed before the next step.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine loop failed") from item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return self.engine.metrics()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop thread once the in-flight requests finish or `timeout` passes, then abort the rest."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+        with self._lock:
+            for request_id in list(self._streams):
+                self._streams.pop(request_id)
+                self.engine.abort_request(request_id)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    busy = self.engine.has_unfinished()
+                    outputs = self.engine.step() if busy else []
+                    deliveries = [(self._streams.get(o.request_id), o) for o in outputs]
+                    for output in outputs:
+                        if output.finished:
+                            self._streams.pop(output.request_id, None)
+                for stream, output in deliveries:
+                    if stream is not None:
+                        stream[0].call_soon_threadsafe(stream[1].put_nowait, output)
+                if not busy:
+                    if self._stopping:
+                        return
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+        except BaseException as err:  # surfaced through /health and to every waiting stream
+            logger.exception("engine loop died")
+            self.error = err
+            for loop, queue in list(self._streams.values()):
+                loop.call_soon_threadsafe(queue.put_nowait, err)

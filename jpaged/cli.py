@@ -1,0 +1,118 @@
+"""The `jpaged` command: `generate`, `serve` and `convert`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+import types
+import typing
+
+from jpaged.config import EngineConfig
+from server.cli import add_server_args
+
+# Flags whose vLLM spelling differs from the field name, or that need a unit in their help.
+_HELP = {
+    "kv_cache_memory": "KV cache size in bytes on CPU",
+    "swap_space": "GiB of host memory for swapped-out KV blocks",
+    "num_blocks": "number of KV blocks (overrides memory-based sizing)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, spelled as vLLM spells it (--max-model-len, --no-enable-prefix-caching)."""
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        if field.name == "model":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = hints[field.name]
+        if isinstance(kind, types.UnionType):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            parser.add_argument(flag, type=kind, default=field.default, help=_HELP.get(field.name))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**values)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jpaged.llm import LLM
+    from jpaged.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM(**dataclasses.asdict(config))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.no_chat_template or llm.tokenizer.chat_template is None:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    else:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from jpaged.models.checkpoint import save_checkpoint
+    from jpaged.models.loader import load_model
+
+    source = load_model(args.source)
+    save_checkpoint(args.destination, source.config, source.params, source.tokenizer)
+    restored = load_model(args.destination)
+    print(f"wrote orbax checkpoint {args.destination}")
+    print(f"load time: {source.source.kind} {source.load_seconds:.2f} s, orbax {restored.load_seconds:.2f} s")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.cli import serve
+
+    return serve(args, engine_config_from_args(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention LLM inference in JAX and Pallas")
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate a completion for one prompt")
+    generate.add_argument("prompt")
+    generate.add_argument("--model", default=None, help="model path, GGUF file, orbax dir or hub id")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--no-chat-template", action="store_true", help="complete the raw prompt")
+    add_engine_args(generate)
+    generate.set_defaults(run=_generate, enforce_eager=True)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, help="model (default: the embedded SmolLM2)")
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(run=_serve)
+
+    convert = commands.add_parser("convert", help="write an orbax checkpoint of a model for fast loading")
+    convert.add_argument("source")
+    convert.add_argument("destination")
+    convert.set_defaults(run=_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        args.model = args.model_tag
+    try:
+        return args.run(args)
+    except ValueError as err:
+        print(f"jpaged: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Engine configuration: every knob in one place, named as in vLLM, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jpaged.pallas import ATTENTION_IMPLS
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine arguments. `None` sizes (max_model_len, memory) are filled in from the model and the device."""
+
+    model: str | None = None  # path, GGUF file, orbax checkpoint dir, hub id; None = embedded SmolLM2
+    max_model_len: int | None = None  # default: min(model's max positions, 2048)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes, CPU sizing
+    num_blocks: int | None = None  # overrides memory-based sizing
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU/TPU
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    attention_impl: str = "auto"  # "reference" (XLA) or "pallas"; auto picks by platform
+    enforce_eager: bool = False  # skip warm-up; buckets compile on first use
+    compilation_cache_dir: str | None = None  # default ~/.cache/jpaged/xla
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        _one_of(self, "preemption_mode", PREEMPTION_MODES)
+        _one_of(self, "dtype", DTYPES)
+        _one_of(self, "attention_impl", ATTENTION_IMPLS)
+
+
+def _positive(config: EngineConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _one_of(config: EngineConfig, name: str, allowed: tuple[str, ...]) -> None:
+    if getattr(config, name) not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {getattr(config, name)!r}")

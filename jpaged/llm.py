@@ -1,0 +1,113 @@
+"""The offline Python API: `LLM(...).generate(...)`, `LLM.chat(...)` and the one-call `jpaged.generate(...)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from jpaged.config import EngineConfig
+from jpaged.engine import LLMEngine
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import SamplingParams
+from jpaged.tokenizer import apply_chat_template
+
+PromptType = str | Sequence[int]
+
+
+class LLM:
+    """An engine for offline batches: every prompt goes in at once and continuous batching does the rest."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (a str, a list of str, or a list of token-id lists)."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(f"offline-{next(self._ids)}")
+                self.engine.add_request(ids[-1], prompt, p)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for request_id in ids:  # a bad prompt or an interrupt must not leave requests holding blocks
+                self.engine.abort_request(request_id)
+            raise
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            apply_chat_template(
+                self.tokenizer,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                **template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[i] for i in request_ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+_default_llms: dict[tuple, LLM] = {}
+
+
+def generate(
+    prompts: PromptType | Sequence[PromptType], model: str | None = None, **sampling_kwargs
+) -> list[RequestOutput]:
+    """One call for research code: loads (and keeps) an engine for `model`, generates, returns outputs."""
+    llm = _default_llms.get((model,))
+    if llm is None:
+        llm = _default_llms[(model,)] = LLM(model)
+    return llm.generate(prompts, SamplingParams(**sampling_kwargs), use_tqdm=False)

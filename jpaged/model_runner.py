@@ -1,0 +1,203 @@
+"""From a schedule to one jitted device step: pad to a shape bucket, run, bring back only the sampled tokens.
+
+Shapes are bucketed (tokens T and sequences S in powers of two) so the step compiles once per bucket at warm-up;
+every compiled executable is kept in a table keyed by its shapes, so a compilation after warm-up is counted and
+logged, never silent. The KV cache is donated: XLA updates it in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jpaged.config import EngineConfig
+from jpaged.models.config import ModelConfig
+from jpaged.models.llama import KVCache, StepBatch, forward, init_kv_cache
+from jpaged.pallas import get_attention_fn
+from jpaged.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
+from jpaged.scheduler import ScheduledSeq
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 8
+
+
+def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """smallest, 2 * smallest, ... and `largest` itself (which need not be a power of two)."""
+    buckets, size = [], min(smallest, largest)
+    while size < largest:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, largest)
+
+
+def _bucket(buckets: Sequence[int], size: int) -> int:
+    for b in buckets:
+        if b >= size:
+            return b
+    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
+
+
+def _step(params, kv_cache, batch, sampling, copies, *, config, attention, num_logprobs):
+    """Copy-on-write block copies, the model, then sampling: one device program."""
+    src, dst = copies[:, 0], copies[:, 1]
+    kv_cache = KVCache(kv_cache.k.at[:, dst].set(kv_cache.k[:, src]), kv_cache.v.at[:, dst].set(kv_cache.v[:, src]))
+    logits, kv_cache = forward(params, kv_cache, batch, config=config, attention=attention)
+    return kv_cache, sample(logits, sampling, num_logprobs=num_logprobs)
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, params: dict, num_blocks: int, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
+        self.dtype = jnp.dtype(params["embed"].dtype)
+        self.params = jax.device_put(params)
+        self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.dtype)
+        self.token_buckets = power_of_two_buckets(MIN_TOKEN_BUCKET, config.max_num_batched_tokens)
+        self.seq_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, config.max_num_seqs)
+        step = functools.partial(
+            _step, config=model_config, attention=get_attention_fn(config.attention_impl)
+        )
+        self._step = jax.jit(step, static_argnames="num_logprobs", donate_argnums=1)
+        self._compiled: dict = {}
+        self.num_compilations = 0
+        self.warmed_up = False
+        self._move_blocks = jax.jit(_scatter_blocks, donate_argnums=0)
+
+    # ---- batch preparation (host) ----
+
+    def prepare(
+        self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[Sequence[int]], sample_rows: Sequence[int]
+    ) -> tuple[StepBatch, int]:
+        """Flat padded arrays for the scheduled sequences; `sample_rows[i]` is the scheduled index of sampled row i."""
+        num_seqs = len(scheduled)
+        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, num_seqs)
+        computed = np.fromiter((s.seq.num_computed_tokens for s in scheduled), np.int32, num_seqs)
+        num_tokens = int(num_new.sum())
+        t_bucket = _bucket(self.token_buckets, num_tokens)
+        s_bucket = _bucket(self.seq_buckets, max(num_seqs, len(sample_rows)))
+        query_start = np.full(s_bucket + 1, num_tokens, np.int32)
+        query_start[0] = 0
+        np.cumsum(num_new, out=query_start[1 : num_seqs + 1])
+        seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+        positions = np.zeros(t_bucket, np.int32)
+        positions[:num_tokens] = np.arange(num_tokens) - query_start[seq_of_token] + computed[seq_of_token]
+        token_ids = np.zeros(t_bucket, np.int32)
+        if num_tokens:
+            token_ids[:num_tokens] = np.concatenate(
+                [s.seq.token_ids[c : c + n] for s, c, n in zip(scheduled, computed, num_new, strict=True)]
+            )
+        tables = np.zeros((s_bucket, self.max_blocks_per_seq), np.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        slot_mapping = np.zeros(t_bucket, np.int32)
+        live = positions[:num_tokens]
+        slot_mapping[:num_tokens] = (
+            tables[seq_of_token, live // self.block_size] * self.block_size + live % self.block_size
+        )
+        kv_lens = np.zeros(s_bucket, np.int32)
+        kv_lens[:num_seqs] = computed + num_new
+        logits_indices = np.zeros(s_bucket, np.int32)
+        logits_indices[: len(sample_rows)] = query_start[np.asarray(sample_rows, np.int32) + 1] - 1
+        batch = StepBatch(
+            token_ids, positions, slot_mapping, tables, query_start, kv_lens, np.array([num_seqs], np.int32),
+            logits_indices,
+        )
+        return batch, s_bucket
+
+    def sampling_tensors(self, rows: Sequence[SamplingRow], num_rows: int) -> SamplingTensors:
+        """Per-row sampling arrays; sampled batches always carry top-k/top-p so greedy and sampled are the
+        only two plain variants to compile."""
+        tensors = build_sampling_tensors(rows, num_rows, self.model_config.vocab_size)
+        if tensors.keys is not None and tensors.top_k is None:
+            tensors = tensors._replace(
+                top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32)
+            )
+        return tensors
+
+    # ---- device step ----
+
+    def execute(
+        self,
+        batch: StepBatch,
+        sampling: SamplingTensors,
+        copies: Sequence[tuple[int, int]],
+        num_logprobs: int | None,
+    ) -> SamplerOutput:
+        s_bucket = batch.kv_lens.shape[0]
+        copy_array = np.zeros((s_bucket, 2), np.int32)
+        if copies:
+            copy_array[: len(copies)] = copies
+        args = (self.params, self.kv_cache, batch, sampling, copy_array)
+        compiled = self._compiled_for(args, num_logprobs)
+        self.kv_cache, out = compiled(*args)
+        return jax.tree_util.tree_map(np.asarray, out)
+
+    def _compiled_for(self, args, num_logprobs):
+        key = (jax.tree_util.tree_structure(args), tuple(np.shape(x) for x in jax.tree_util.tree_leaves(args[2:])))
+        key = (key, num_logprobs)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            if self.warmed_up:
+                logger.warning("compiling a new step shape after warm-up: %s, logprobs=%s", key[0][1], num_logprobs)
+            compiled = self._step.lower(*args, num_logprobs=num_logprobs).compile()
+            self._compiled[key] = compiled
+            self.num_compilations += 1
+        return compiled
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every (T, S) bucket pair that can occur, greedy and sampled; returns seconds taken."""
+        start = time.perf_counter()
+        pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t or s == self.seq_buckets[0]]
+        for t, s in tqdm(pairs, desc="warm-up (compiling buckets)", disable=not progress):
+            batch = _dummy_batch(t, s, self.max_blocks_per_seq)
+            for tensors in (self.sampling_tensors([], s), _sampled_dummy(self, s)):
+                args = (self.params, self.kv_cache, batch, tensors, np.zeros((s, 2), np.int32))
+                self._compiled_for(args, None)
+        self.warmed_up = True
+        seconds = time.perf_counter() - start
+        logger.info("warm-up compiled %d step shapes in %.1f s", self.num_compilations, seconds)
+        return seconds
+
+    # ---- swap transfers ----
+
+    def read_blocks(self, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(block_ids, np.int32)
+        return np.asarray(self.kv_cache.k[:, ids]), np.asarray(self.kv_cache.v[:, ids])
+
+    def write_blocks(self, block_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
+        self.kv_cache = self._move_blocks(self.kv_cache, np.asarray(block_ids, np.int32), k, v)
+
+
+def _scatter_blocks(kv_cache: KVCache, ids, k, v) -> KVCache:
+    return KVCache(kv_cache.k.at[:, ids].set(k), kv_cache.v.at[:, ids].set(v))
+
+
+def _dummy_batch(num_tokens: int, num_seqs: int, width: int) -> StepBatch:
+    zeros = functools.partial(np.zeros, dtype=np.int32)
+    return StepBatch(
+        zeros(num_tokens), zeros(num_tokens), zeros(num_tokens), zeros((num_seqs, width)), zeros(num_seqs + 1),
+        zeros(num_seqs), np.array([0], np.int32), zeros(num_seqs),
+    )
+
+
+def _sampled_dummy(runner: ModelRunner, num_rows: int) -> SamplingTensors:
+    plain = runner.sampling_tensors([], num_rows)
+    return plain._replace(
+        keys=np.zeros((num_rows, 2), np.uint32),
+        steps=np.zeros(num_rows, np.int32),
+        top_k=np.zeros(num_rows, np.int32),
+        top_p=np.ones(num_rows, np.float32),
+    )

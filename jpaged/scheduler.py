@@ -1,0 +1,177 @@
+"""Iteration-level scheduling: every step a new batch under a token budget and a sequence cap.
+
+Running sequences go first (decodes, and prompts still mid-prefill), then swapped-out ones come back, then waiting
+prompts join, chunked when the budget is short. When a running sequence cannot get a block, the lowest-priority,
+newest running sequence is preempted (recomputed later by default, or swapped to host memory).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from jpaged.block_manager import BlockManager
+from jpaged.config import EngineConfig
+from jpaged.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the sequence's last known token, so a new one is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # kept sorted by priority_key
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self._arrivals = 0
+        self._warned_preemption = False
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def add(self, seq: Sequence) -> None:
+        self._arrivals += 1
+        seq.arrival_order = self._arrivals
+        seq.status = SequenceStatus.WAITING
+        self._insert_waiting(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A fork that already holds blocks (parallel sampling, beams) joins the running set directly."""
+        self._arrivals += 1
+        seq.arrival_order = self._arrivals
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.priority_key)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is and release its blocks (finished or aborted)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if self.blocks.has_seq(seq.seq_id):
+            self.blocks.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+            self._schedule_waiting(out, budget)
+        out.copies = self.blocks.take_pending_copies()
+        return out
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and self._has_slots_for(self.swapped[0]):
+            seq = self.swapped[0]
+            if not self.blocks.can_swap_in(seq.seq_id):
+                break
+            out.swap_in.extend(self.blocks.swap_in(seq.seq_id))
+            self.swapped.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.priority_key)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+                break  # back on device; it gets its slot next step
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and self._has_slots_for(self.waiting[0]):
+            seq = self.waiting[0]
+            if not seq.prefix_matched:
+                seq.num_computed_tokens = self.blocks.match_prefix(
+                    seq.seq_id, seq.token_ids, seq.request.cache_salt
+                )
+                seq.prefix_matched = True
+                if seq.index == 0 and seq.num_tokens == len(seq.request.prompt_token_ids):
+                    seq.request.num_cached_tokens = seq.num_computed_tokens
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+                self._release(seq)  # matched prefix blocks must not stay pinned by a waiting sequence
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.priority_key)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        swap = self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq.seq_id)
+        if swap:
+            out.swap_out.extend(self.blocks.swap_out(seq.seq_id))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self._release(seq)
+            seq.status = SequenceStatus.WAITING
+            self._insert_waiting(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        if not self._warned_preemption:
+            self._warned_preemption = True
+            logger.warning(
+                "sequence %d preempted (%s): the KV cache is out of blocks; more blocks (kv_cache_memory, "
+                "gpu_memory_utilization) or a lower max_num_seqs avoid it. Logged once.",
+                seq.seq_id,
+                "swap" if swap else "recompute",
+            )
+
+    def _has_slots_for(self, seq: Sequence) -> bool:
+        used = sum(s.fan_out for s in self.running)
+        return used + seq.fan_out <= self.config.max_num_seqs
+
+    def _release(self, seq: Sequence) -> None:
+        if self.blocks.has_seq(seq.seq_id):
+            self.blocks.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.prefix_matched = False
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        keys = [s.priority_key for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.priority_key), seq)

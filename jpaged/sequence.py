@@ -1,0 +1,84 @@
+"""Host-side state of requests and their sequences (one per sample: n > 1 and beams fork more)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from jpaged.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One user request: a prompt, its sampling params and the sequences generating for it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Token ids (prompt then output) and how many of them are in the KV cache."""
+
+    seq_id: int
+    request: Request
+    token_ids: list[int]
+    index: int = 0  # which of the request's n samples
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    prefix_matched: bool = False  # whether match_prefix ran since the sequence last (re)started
+    arrival_order: int = 0  # FCFS tie-break; preemption picks the newest
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    text: str = ""  # output text streamed so far (the detokenizer holds back partial characters, stop prefixes)
+    detokenizer: Any = None
+    seed: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def fan_out(self) -> int:
+        """Rows this sequence samples next: n for a request's first token (its samples fork there), else 1.
+
+        It is also the number of sequence slots it holds against max_num_seqs."""
+        first = self.index == 0 and len(self.request.seqs) == 1 and self.num_tokens == self.num_prompt_tokens
+        return self.request.params.n if first else 1
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        """Lower runs first: the request's priority, then arrival."""
+        return (self.request.priority, self.arrival_order)

@@ -1,0 +1,23 @@
+"""`jpaged serve` flags beyond the engine's, and the entry point that starts uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from jpaged.config import EngineConfig
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the model path)")
+    parser.add_argument("--api-key", default=os.environ.get("JPAGED_API_KEY"), help="also read from JPAGED_API_KEY")
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template, inline or a file path")
+    parser.add_argument("--shutdown-grace-period", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+
+
+def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    from server.api_server import run_server
+
+    return run_server(args, config)
