@@ -106,8 +106,10 @@ _default_llms: dict[tuple, LLM] = {}
 def generate(
     prompts: PromptType | Sequence[PromptType], model: str | None = None, **sampling_kwargs
 ) -> list[RequestOutput]:
-    """One call for research code: loads (and keeps) an engine for `model`, generates, returns outputs."""
+    """One call for research code: loads (and keeps) an engine for `model`, generates, returns outputs.
+
+    The engine compiles only the step shapes it meets (no serving warm-up), which suits a few calls."""
     llm = _default_llms.get((model,))
     if llm is None:
-        llm = _default_llms[(model,)] = LLM(model)
+        llm = _default_llms[(model,)] = LLM(model, enforce_eager=True)
     return llm.generate(prompts, SamplingParams(**sampling_kwargs), use_tqdm=False)

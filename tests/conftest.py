@@ -93,6 +93,10 @@ def hf_model(model_dir: Path):
     import torch
     import transformers
 
+    if model_dir.is_file():  # a GGUF: transformers dequantises it itself
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir.parent, gguf_file=model_dir.name, dtype=torch.float32
+        ).eval()
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 

@@ -1,0 +1,23 @@
+"""Comparing greedy outputs honestly: equal token for token, except after a genuine near-tie."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jpaged.outputs import CompletionOutput
+
+NEAR_TIE = 1e-3  # top-2 logprob gap under which float rounding may legitimately flip the argmax
+
+
+def assert_same_greedy(reference: CompletionOutput, other: Sequence[int], label: str = "") -> None:
+    """`other` must equal the reference's tokens, or diverge only where the reference's top two were within
+    NEAR_TIE (the reference must have been generated with logprobs >= 2)."""
+    for step, (expected, actual) in enumerate(zip(reference.token_ids, other, strict=False)):
+        if expected == actual:
+            continue
+        assert reference.logprobs is not None, "the reference needs logprobs to judge a divergence"
+        top = sorted(reference.logprobs[step].values(), key=lambda lp: -lp.logprob)[:2]
+        gap = top[0].logprob - top[1].logprob
+        assert gap < NEAR_TIE, f"{label}: diverged at step {step} ({expected} vs {actual}) with a top-2 gap of {gap}"
+        return
+    assert list(other) == list(reference.token_ids), f"{label}: same prefix but different lengths"
