@@ -11,6 +11,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +55,20 @@ def _step(params, kv_cache, batch, sampling, copies, *, config, attention, num_l
     return kv_cache, sample(logits, sampling, num_logprobs=num_logprobs)
 
 
+def enable_compilation_cache(directory: str | None) -> None:
+    """JAX's persistent compilation cache, so a restarted server skips most of its warm-up compiles."""
+    if jax.config.jax_compilation_cache_dir:
+        return  # the user (or JAX_COMPILATION_CACHE_DIR) chose one already
+    path = Path(directory) if directory else Path.home() / ".cache" / "jpaged" / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, model_config: ModelConfig, params: dict, num_blocks: int, max_model_len: int
     ) -> None:
+        enable_compilation_cache(config.compilation_cache_dir)
         self.config = config
         self.model_config = model_config
         self.block_size = config.block_size

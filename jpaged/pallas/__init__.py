@@ -30,11 +30,12 @@ def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
 
 
 def _pallas_kernel(backend: str) -> Callable:
+    """The stacked-cache kernel: it reads the layer inside the kernel, so no layer of the pool is copied."""
     if backend == "tpu":
-        from jpaged.pallas.ragged_paged_attention_tpu import ragged_paged_attention
+        from jpaged.pallas.ragged_paged_attention_tpu import ragged_paged_attention_stacked
     else:
-        from jpaged.pallas.ragged_paged_attention import ragged_paged_attention
-    return ragged_paged_attention
+        from jpaged.pallas.ragged_paged_attention import ragged_paged_attention_stacked
+    return ragged_paged_attention_stacked
 
 
 def get_attention_fn(impl: str = "auto") -> Callable:
@@ -42,9 +43,4 @@ def get_attention_fn(impl: str = "auto") -> Callable:
     backend = jax.default_backend()
     if resolve_attention_impl(impl, backend) == "reference":
         return paged_attention_stacked
-    kernel = functools.partial(_pallas_kernel(backend), interpret=backend == "cpu")
-
-    def stacked(q, k_cache, v_cache, layer, *args, **kwargs):
-        return kernel(q, k_cache[layer], v_cache[layer], *args, **kwargs)
-
-    return stacked
+    return functools.partial(_pallas_kernel(backend), interpret=backend == "cpu")

@@ -92,7 +92,7 @@ def paged_attention_stacked(
         num_chunks = (jnp.minimum(jnp.max(positions) + 1, kv_len) + chunk_len - 1) // chunk_len
 
         def body(c, state):
-            m, l, acc = state
+            m, denom, acc = state
             pages = jax.lax.dynamic_slice_in_dim(table, c * pages_per_chunk, pages_per_chunk)
             keys = k_cache[layer, pages].reshape(chunk_len, num_kv_heads, head_dim).astype(jnp.float32)
             values = v_cache[layer, pages].reshape(chunk_len, num_kv_heads, head_dim).astype(jnp.float32)
@@ -105,20 +105,21 @@ def paged_attention_stacked(
                 mask &= key_pos[None, :] > positions[:, None] - sliding_window
             mask = mask[:, None, None, :]
             scores = jnp.where(mask, scores, _NEG)
+            values = jnp.where((key_pos < kv_len)[:, None, None], values, 0.0)  # unused slots may hold NaN
             m_new = jnp.maximum(m, scores.max(-1))
             p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
             correction = jnp.exp(m - m_new)
-            l = l * correction + p.sum(-1)
+            denom = denom * correction + p.sum(-1)
             acc = acc * correction[..., None] + jnp.einsum("rkgl,lkd->rkgd", p, values)
-            return m_new, l, acc
+            return m_new, denom, acc
 
         init = (
             jnp.full((rows, num_kv_heads, group), _NEG, jnp.float32),
             jnp.zeros((rows, num_kv_heads, group), jnp.float32),
             jnp.zeros((rows, num_kv_heads, group, head_dim), jnp.float32),
         )
-        _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-        return acc / jnp.maximum(l, 1e-30)[..., None]
+        _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+        return acc / jnp.maximum(denom, 1e-30)[..., None]
 
     grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
 

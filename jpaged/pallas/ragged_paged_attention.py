@@ -1,0 +1,305 @@
+"""Ragged paged attention for GPU: one Pallas kernel (Triton lowering) for mixed prefill chunks and decodes.
+
+Shapes (letters as in jpaged.pallas.reference):
+  T  query tokens in the step        S  sequence slots        L  layers of a stacked cache
+  N  physical KV blocks              B  tokens per block      P  block-table width
+  Hq / Hk  query / KV heads          G = Hq // Hk             D  head dim
+
+Work split: the grid is (Hk, query tiles). A query tile holds `rows // G` consecutive query tokens of ONE
+sequence times the G query heads that share a KV head, so K/V pages are read once per tile for the whole GQA
+group. Sequence s owns tiles `query_start[s] // tile_tokens + s` onwards (at least `ceil(q_len / tile_tokens)` of
+them); a tile finds its sequence by a binary search over `query_start` inside the kernel, so no host or XLA
+preprocessing is needed, and tiles past their sequence's queries exit at once. Each tile loops (`fori_loop`) over
+only the KV positions its queries can see: its sequence's own pages, up to its last query's causal position (and
+from its first query's sliding-window start). Softmax is online, in float32.
+
+Tilings are static: a decode-heavy step (T <= 2 S) uses 16-row tiles, anything else 64-row tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_NEG = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTiling:
+    """Static tile sizes. `rows` (query tokens x GQA heads) and `kv_tokens` must be powers of two >= 16."""
+
+    rows: int
+    kv_tokens: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DECODE_TILING = GpuTiling(rows=16, kv_tokens=128)
+PREFILL_TILING = GpuTiling(rows=64, kv_tokens=64)
+
+
+def choose_tiling(num_tokens: int, num_seq_slots: int, group: int) -> GpuTiling:
+    """Decode-heavy buckets (about one token per sequence) take short tiles; prefill buckets take tall ones."""
+    tiling = DECODE_TILING if num_tokens <= 2 * num_seq_slots else PREFILL_TILING
+    if group > tiling.rows:  # a tile must hold at least one token's whole GQA group
+        tiling = dataclasses.replace(tiling, rows=pl.next_power_of_2(group))
+    return tiling
+
+
+def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, sliding_window, soft_cap):
+    """Static checks shared by the GPU and TPU kernels; raises ValueError naming the field."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
+    if k_pages.ndim not in (4, 5) or k_pages.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"k_pages must be [(L,) N, B, Hk, D] with D={q.shape[-1]}, got shape {k_pages.shape}"
+        )
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(
+            f"k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must equal q dtype {q.dtype}"
+        )
+    if q.shape[1] % k_pages.shape[-2]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k_pages heads ({k_pages.shape[-2]})")
+    num_seq_slots = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
+    for name, array, shape in (
+        ("kv_lens", kv_lens, (num_seq_slots,)),
+        ("block_tables", block_tables, (num_seq_slots, block_tables.shape[-1])),
+        ("query_start", query_start, (num_seq_slots + 1,)),
+        ("num_seqs", num_seqs, (1,)),
+    ):
+        if array.shape != shape or array.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32{list(shape)}, got {array.dtype}{list(array.shape)}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap must be positive, got {soft_cap}")
+
+
+def find_tile_sequence(query_start_ref, tile, num_seqs, tile_tokens: int, search_steps: int):
+    """Largest s < num_seqs whose first tile (`query_start[s] // tile_tokens + s`) is <= `tile`.
+
+    A binary search over `query_start` read from kernel memory; `lax.div` rather than `//` because the
+    operands are non-negative and Mosaic lowers floor division through a sign op it cannot lower off-TPU.
+    """
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lax.div(lo + hi + 1, 2)
+        owns = lax.div(query_start_ref[mid], tile_tokens) + mid <= tile
+        return jnp.where(owns, mid, lo), jnp.where(owns, hi, mid - 1)
+
+    lo, _ = lax.fori_loop(0, search_steps, step, (jnp.int32(0), num_seqs - 1))
+    return lo
+
+
+def _kernel(
+    layer_ref,  # [1]
+    kv_lens_ref,  # [S]
+    block_tables_ref,  # [S, P]
+    query_start_ref,  # [S + 1]
+    num_seqs_ref,  # [1]
+    q_ref,  # [T + TT, Hq, D]
+    k_ref,  # [L, N, B, D] (this program's KV head)
+    v_ref,  # [L, N, B, D]
+    out_init_ref,  # [T + TT, Hq, D], aliased to out_ref
+    out_ref,  # [T + TT, Hq, D]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    tiling: GpuTiling,
+    group: int,
+    search_steps: int,
+):
+    del out_init_ref  # only there so rows no tile writes (padding) read as zeros
+    head_dim = q_ref.shape[-1]
+    lanes = pl.next_power_of_2(head_dim)  # Triton blocks are powers of two; extra lanes are masked
+    block_size = k_ref.shape[2]
+    table_width = block_tables_ref.shape[1]
+    rows, kv_tokens = tiling.rows, tiling.kv_tokens
+    tile_tokens = rows // group
+    kv_head, tile = pl.program_id(0), pl.program_id(1)
+
+    num_seqs = num_seqs_ref[0]
+    seq = find_tile_sequence(query_start_ref, tile, num_seqs, tile_tokens, search_steps)
+    q_begin = query_start_ref[seq]
+    q_len = query_start_ref[seq + 1] - q_begin
+    first_token = (tile - (q_begin // tile_tokens + seq)) * tile_tokens  # within the sequence
+    last_tile = query_start_ref[num_seqs] // tile_tokens + num_seqs  # one past the last owned tile
+    active = (tile < last_tile) & (first_token < q_len)
+
+    @pl.when(active)
+    def _attend():
+        layer = layer_ref[0]
+        kv_len = kv_lens_ref[seq]
+        row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        token = first_token + row // group  # within the sequence
+        row_valid = (row < tile_tokens * group) & (token < q_len)
+        q_pos = kv_len - q_len + token  # absolute position of each row's query
+        # q and out carry TT rows of padding, so even masked rows index real, distinct memory.
+        token_idx = (q_begin + token)[:, None]
+        head_idx = (kv_head * group + row % group)[:, None]
+        dim_idx = lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
+        dim_ok = dim_idx < head_dim
+        q_mask = jnp.broadcast_to(dim_ok, (rows, lanes))
+        q = pltriton.load(q_ref.at[token_idx, head_idx, dim_idx], mask=q_mask, other=0)  # [rows, lanes]
+
+        kv_end = (
+            kv_len - q_len + jnp.minimum(first_token + tile_tokens, q_len)
+        )  # one past the last visible key
+        kv_begin = jnp.int32(0)
+        if sliding_window is not None:
+            kv_begin = jnp.maximum(kv_len - q_len + first_token - sliding_window + 1, 0)
+        kv_begin = kv_begin // block_size * block_size
+        num_steps = pl.cdiv(kv_end - kv_begin, kv_tokens)
+        precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # DEFAULT would mean TF32
+
+        def step(i, carry):
+            m, denom, acc = carry
+            k_pos = kv_begin + i * kv_tokens + lax.broadcasted_iota(jnp.int32, (kv_tokens,), 0)
+            in_seq = k_pos < kv_len
+            page = jnp.minimum(k_pos // block_size, table_width - 1)
+            block = jnp.where(in_seq, block_tables_ref[seq, page], 0)
+            # Masked-off slots are never read: stale (even NaN) cache contents cannot leak in.
+            kv_mask = in_seq[:, None] & dim_ok
+            kv_idx = (layer, block[:, None], (k_pos % block_size)[:, None], dim_idx)
+            k = pltriton.load(k_ref.at[kv_idx], mask=kv_mask, other=0)  # [kv_tokens, lanes]
+            v = pltriton.load(v_ref.at[kv_idx], mask=kv_mask, other=0)
+            scores = lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
+            scores = scores * sm_scale
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
+            if sliding_window is not None:
+                visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            scores = jnp.where(visible, scores, _NEG)
+            m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+            p = jnp.where(visible, jnp.exp(scores - m_new[:, None]), 0.0)
+            correction = jnp.exp(m - m_new)
+            denom = denom * correction + jnp.sum(p, axis=1)
+            pv = lax.dot_general(
+                p.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+            return m_new, denom, acc * correction[:, None] + pv
+
+        init = (
+            jnp.full((rows,), _NEG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, lanes), jnp.float32),
+        )
+        _, denom, acc = lax.fori_loop(0, num_steps, step, init)
+        out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
+        store_mask = row_valid[:, None] & dim_ok
+        pltriton.store(out_ref.at[token_idx, head_idx, dim_idx], out.astype(out_ref.dtype), mask=store_mask)
+
+
+def ragged_paged_attention_stacked(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    interpret: bool = False,
+    tiling: GpuTiling | None = None,
+) -> jax.Array:
+    """Attention over layer `layer` of a stacked cache `[L, N, B, Hk, D]`, read in place (no per-layer copy).
+
+    `tiling` overrides the static choice (tests use it to run both tilings on any shapes).
+    """
+    check_inputs(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start, num_seqs, sliding_window, logits_soft_cap
+    )
+    if k_cache.ndim != 5:
+        raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seq_slots = kv_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    tiling = tiling or choose_tiling(num_tokens, num_seq_slots, group)
+    tile_tokens = tiling.rows // group
+    if tile_tokens < 1:
+        raise ValueError(f"tiling.rows ({tiling.rows}) must be at least the GQA group ({group})")
+    num_tiles = pl.cdiv(num_tokens, tile_tokens) + num_seq_slots  # bound on sum_s ceil(q_len_s / tile_tokens)
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=logits_soft_cap,
+        tiling=tiling,
+        group=group,
+        search_steps=max(1, int(num_seq_slots).bit_length()),
+    )
+    padded_q = jnp.pad(q, ((0, tile_tokens), (0, 0), (0, 0)))
+    whole = lambda shape: pl.BlockSpec(shape, lambda h, t: (0,) * len(shape))  # noqa: E731
+    kv_spec = pl.BlockSpec((num_layers, num_blocks, block_size, None, head_dim), lambda h, t: (0, 0, 0, h, 0))
+    metadata = (jnp.reshape(layer, (1,)).astype(jnp.int32), kv_lens, block_tables, query_start, num_seqs)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, num_tiles),
+        in_specs=[whole(x.shape) for x in metadata]
+        + [whole(padded_q.shape), kv_spec, kv_spec, whole(padded_q.shape)],
+        out_specs=whole(padded_q.shape),
+        out_shape=jax.ShapeDtypeStruct(padded_q.shape, q.dtype),
+        input_output_aliases={len(metadata) + 3: 0},
+        compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(*metadata, padded_q, k_cache, v_cache, jnp.zeros_like(padded_q))
+    return out[:num_tokens]
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]` (contract in jpaged.pallas); returns [T, Hq, D]."""
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [N, B, Hk, D], got shape {k_pages.shape}")
+    return ragged_paged_attention_stacked(
+        q,
+        k_pages[None],
+        v_pages[None],
+        jnp.zeros((1,), jnp.int32),
+        kv_lens,
+        block_tables,
+        query_start,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        interpret=interpret,
+    )

@@ -1,0 +1,309 @@
+"""The ragged paged attention kernels, run on CPU in interpret mode, against a float64 numpy oracle and the XLA
+reference, on fresh random steps: ragged query lengths, partial last blocks, GQA, padding sequences and rows.
+
+The GPU kernel runs under Pallas' generic interpreter; the TPU kernel under its TPU simulator (DMAs and
+semaphores modelled, scratch filled with NaN). Each static configuration compiles once and sees several draws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from numpy_attention import ragged_paged_attention_numpy
+
+from jpaged.pallas import ragged_paged_attention as gpu
+from jpaged.pallas import ragged_paged_attention_tpu as tpu
+from jpaged.pallas.reference import ragged_paged_attention_reference
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Static step shapes and the random draw's ranges."""
+
+    num_tokens: int
+    num_seq_slots: int
+    max_q_len: int
+    max_context: int
+
+
+PREFILL = Bucket(num_tokens=512, num_seq_slots=8, max_q_len=300, max_context=200)
+DECODE = Bucket(num_tokens=64, num_seq_slots=32, max_q_len=12, max_context=300)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    kernel: str  # "gpu" | "tpu"
+    dtype: str
+    block_size: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    bucket: Bucket
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+    @property
+    def id(self) -> str:
+        extras = (f"-window{self.sliding_window}" if self.sliding_window else "") + (
+            f"-cap{self.soft_cap:g}" if self.soft_cap else ""
+        )
+        kind = "prefill" if self.bucket is PREFILL else "decode"
+        return (
+            f"{self.kernel}-{self.dtype}-B{self.block_size}-Hk{self.num_kv_heads}-G{self.group}-D{self.head_dim}"
+            f"-{kind}{extras}"
+        )
+
+
+GPU_F32 = Config("gpu", "float32", 16, 2, 4, 32, PREFILL)
+GPU_BF16 = Config("gpu", "bfloat16", 16, 2, 4, 32, PREFILL)
+TPU_F32 = Config("tpu", "float32", 16, 2, 4, 32, PREFILL)
+CONFIGS = [
+    GPU_F32,
+    Config("gpu", "float32", 32, 3, 3, 32, DECODE),
+    Config("gpu", "float32", 16, 2, 1, 24, PREFILL, sliding_window=40),  # D=24: lanes padded to 32
+    Config("gpu", "float32", 32, 1, 8, 32, PREFILL, soft_cap=2.0),
+    GPU_BF16,
+    Config("gpu", "bfloat16", 32, 2, 8, 64, DECODE, sliding_window=40, soft_cap=2.0),
+    Config("gpu", "float16", 16, 2, 3, 32, DECODE),
+    TPU_F32,
+    pytest.param(
+        Config("tpu", "bfloat16", 32, 2, 3, 256, DECODE, sliding_window=40, soft_cap=2.0),
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(Config("tpu", "float32", 16, 1, 8, 32, DECODE, sliding_window=40), marks=pytest.mark.slow),
+    pytest.param(Config("tpu", "bfloat16", 16, 4, 1, 32, PREFILL, soft_cap=2.0), marks=pytest.mark.slow),
+]
+
+
+def draw_step(
+    rng: np.random.Generator, cfg: Config, stale_value: float | None = None
+) -> dict[str, np.ndarray]:
+    """A random step: some decodes, some prefill chunks, random non-contiguous blocks, >= 1 padding slot.
+
+    Cache slots no real sequence owns (the null block, unused blocks, the tails of partial last blocks) hold
+    random values, or `stale_value` when given.
+    """
+    bucket, block_size = cfg.bucket, cfg.block_size
+    num_real = int(rng.integers(1, bucket.num_seq_slots))
+    q_lens, budget = [], bucket.num_tokens
+    for s in range(num_real):
+        q_len = 1 if rng.random() < 0.4 else int(rng.integers(1, bucket.max_q_len + 1))
+        q_len = min(q_len, budget - (num_real - s - 1))
+        q_lens.append(q_len)
+        budget -= q_len
+    kv_lens = np.zeros(bucket.num_seq_slots, np.int32)
+    kv_lens[:num_real] = np.array(q_lens) + rng.integers(0, bucket.max_context + 1, num_real)
+    query_start = np.zeros(bucket.num_seq_slots + 1, np.int32)
+    query_start[1 : num_real + 1] = np.cumsum(q_lens)
+    query_start[num_real + 1 :] = query_start[num_real]  # padding sequences repeat the last offset
+
+    table_width = math.ceil((bucket.max_q_len + bucket.max_context) / block_size) + 1
+    num_blocks = 1 + bucket.num_seq_slots * table_width
+    block_tables = np.zeros((bucket.num_seq_slots, table_width), np.int32)
+    free_blocks = iter(rng.permutation(np.arange(1, num_blocks)))
+    for s in range(num_real):
+        for page in range(math.ceil(kv_lens[s] / block_size)):
+            block_tables[s, page] = next(free_blocks)
+
+    heads = cfg.num_kv_heads * cfg.group
+    cache_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    k_pages, v_pages = rng.standard_normal(cache_shape), rng.standard_normal(cache_shape)
+    if stale_value is not None:
+        live = np.zeros(cache_shape[:2], bool)
+        for s in range(num_real):
+            positions = np.arange(kv_lens[s])
+            live[block_tables[s, positions // block_size], positions % block_size] = True
+        k_pages[~live] = stale_value
+        v_pages[~live] = stale_value
+    return dict(
+        q=rng.standard_normal((bucket.num_tokens, heads, cfg.head_dim)),
+        k_pages=k_pages,
+        v_pages=v_pages,
+        kv_lens=kv_lens,
+        block_tables=block_tables,
+        query_start=query_start,
+        num_seqs=np.array([num_real], np.int32),
+    )
+
+
+def device_args(step: dict[str, np.ndarray], dtype: str) -> list[jax.Array]:
+    float_names = ("q", "k_pages", "v_pages")
+    return [
+        jnp.asarray(value, dtype) if name in float_names else jnp.asarray(value)
+        for name, value in step.items()
+    ]
+
+
+def sm_scale(cfg: Config) -> float:
+    return 1.0 / math.sqrt(cfg.head_dim)
+
+
+@functools.cache
+def kernel_fn(cfg: Config, num_layers: int = 1):
+    """The jitted kernel for `cfg` over a stacked cache of `num_layers` (the last one is read)."""
+    options = dict(
+        sm_scale=sm_scale(cfg),
+        sliding_window=cfg.sliding_window,
+        logits_soft_cap=cfg.soft_cap,
+        interpret=True,
+    )
+    if cfg.kernel == "gpu":
+        options.update(tiling=gpu.DECODE_TILING if cfg.bucket is DECODE else gpu.PREFILL_TILING)
+        stacked = gpu.ragged_paged_attention_stacked
+    else:
+        options.update(
+            tile_tokens=tpu.DECODE_TILE_TOKENS if cfg.bucket is DECODE else tpu.PREFILL_TILE_TOKENS
+        )
+        stacked = tpu.ragged_paged_attention_stacked
+
+    def run(q, k_cache, v_cache, *metadata):
+        return stacked(q, k_cache, v_cache, jnp.int32(num_layers - 1), *metadata, **options)
+
+    return jax.jit(run)
+
+
+def run_kernel(cfg: Config, args: list[jax.Array]) -> np.ndarray:
+    q, k_pages, v_pages, *metadata = args
+    return np.asarray(kernel_fn(cfg)(q, k_pages[None], v_pages[None], *metadata).astype(jnp.float32))
+
+
+@functools.cache
+def reference_fn(scale: float, sliding_window: int | None, soft_cap: float | None):
+    return jax.jit(
+        functools.partial(
+            ragged_paged_attention_reference,
+            sm_scale=scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=soft_cap,
+        )
+    )
+
+
+def oracle(cfg: Config, args: list[jax.Array]) -> np.ndarray:
+    """Float64 attention of the inputs as the kernel saw them (after rounding to the kernel's dtype)."""
+    host = [np.asarray(a.astype(jnp.float32)) if a.dtype != jnp.int32 else np.asarray(a) for a in args]
+    return ragged_paged_attention_numpy(
+        *host, sm_scale=sm_scale(cfg), sliding_window=cfg.sliding_window, logits_soft_cap=cfg.soft_cap
+    )
+
+
+def relative_error(out: np.ndarray, expected: np.ndarray, step: dict[str, np.ndarray]) -> float:
+    """Max-norm error over the real query rows, relative to the largest expected value."""
+    real_rows = int(step["query_start"][step["num_seqs"][0]])
+    return float(np.abs(out[:real_rows] - expected[:real_rows]).max() / np.abs(expected[:real_rows]).max())
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.id)
+def test_kernel_matches_float64_numpy_on_random_ragged_steps(cfg):
+    rng = np.random.default_rng(zlib.crc32(cfg.id.encode()))
+    for _ in range(3 if cfg.kernel == "gpu" else 1):  # the TPU simulator takes seconds per call
+        step = draw_step(rng, cfg)
+        args = device_args(step, cfg.dtype)
+        out = run_kernel(cfg, args)
+        assert np.isfinite(out).all(), "padding rows must be finite too"
+        assert relative_error(out, oracle(cfg, args), step) < TOLERANCE[cfg.dtype]
+
+
+@pytest.mark.parametrize("cfg", [GPU_F32, GPU_BF16, TPU_F32], ids=lambda c: c.id)
+def test_public_entry_point_matches_xla_reference(cfg):
+    """Through `ragged_paged_attention` itself: 4-D pages, tiling chosen from the bucket's shapes."""
+    module = gpu if cfg.kernel == "gpu" else tpu
+    options = dict(sm_scale=sm_scale(cfg), sliding_window=cfg.sliding_window, logits_soft_cap=cfg.soft_cap)
+    step = draw_step(np.random.default_rng(7), cfg)
+    args = device_args(step, cfg.dtype)
+    out = jax.jit(functools.partial(module.ragged_paged_attention, **options, interpret=True))(*args)
+    reference = reference_fn(sm_scale(cfg), cfg.sliding_window, cfg.soft_cap)(*args)
+    assert (
+        relative_error(*(np.asarray(x.astype(jnp.float32)) for x in (out, reference)), step)
+        < TOLERANCE[cfg.dtype]
+    )
+
+
+@pytest.mark.parametrize("cfg", [GPU_F32, TPU_F32], ids=lambda c: c.id)
+def test_stale_nan_in_unowned_cache_slots_never_reaches_the_output(cfg):
+    """The null block, free blocks and the tails of partial blocks may hold anything; none of it is read."""
+    step = draw_step(np.random.default_rng(3), cfg, stale_value=np.nan)
+    args = device_args(step, cfg.dtype)
+    out = run_kernel(cfg, args)
+    assert np.isfinite(out).all()
+    assert relative_error(out, oracle(cfg, args), step) < TOLERANCE[cfg.dtype]
+
+
+def test_step_without_sequences_gives_finite_output():
+    step = draw_step(np.random.default_rng(4), GPU_F32)
+    step["num_seqs"][:] = 0
+    assert np.isfinite(run_kernel(GPU_F32, device_args(step, GPU_F32.dtype))).all()
+
+
+@pytest.mark.parametrize("kernel", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)], ids=["gpu", "tpu"])
+def test_stacked_cache_attends_over_the_requested_layer_only(kernel):
+    cfg = dataclasses.replace(GPU_F32 if kernel == "gpu" else TPU_F32, bucket=DECODE)
+    step = draw_step(np.random.default_rng(5), cfg)
+    q, k_pages, v_pages, *metadata = device_args(step, cfg.dtype)
+    decoy = jnp.full_like(k_pages, 100.0)  # layer 0: would dominate any softmax it leaked into
+    out = kernel_fn(cfg, num_layers=2)(q, jnp.stack([decoy, k_pages]), jnp.stack([decoy, v_pages]), *metadata)
+    assert relative_error(np.asarray(out), oracle(cfg, [q, k_pages, v_pages, *metadata]), step) < 1e-5
+
+
+def test_decode_heavy_buckets_take_short_tiles_and_prefill_buckets_tall_ones():
+    assert gpu.choose_tiling(num_tokens=256, num_seq_slots=256, group=4) == gpu.DECODE_TILING
+    assert gpu.choose_tiling(num_tokens=16, num_seq_slots=8, group=4) == gpu.DECODE_TILING
+    assert gpu.choose_tiling(num_tokens=2048, num_seq_slots=8, group=4) == gpu.PREFILL_TILING
+    # A tile must hold at least one token's whole GQA group.
+    assert gpu.choose_tiling(num_tokens=16, num_seq_slots=8, group=32).rows == 32
+
+
+def _valid_inputs() -> dict[str, jax.Array]:
+    return dict(
+        q=jnp.zeros((16, 8, 32)),
+        k_pages=jnp.zeros((9, 16, 2, 32)),
+        v_pages=jnp.zeros((9, 16, 2, 32)),
+        kv_lens=jnp.zeros(8, jnp.int32),
+        block_tables=jnp.zeros((8, 4), jnp.int32),
+        query_start=jnp.zeros(9, jnp.int32),
+        num_seqs=jnp.zeros(1, jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("module", [gpu, tpu], ids=["gpu", "tpu"])
+@pytest.mark.parametrize(
+    ("field", "bad_value", "options"),
+    [
+        ("q", jnp.zeros((16, 8)), {}),
+        ("q", jnp.zeros((16, 8, 32), jnp.int8), {}),
+        ("k_pages", jnp.zeros((9, 16, 3, 32)), {}),  # 8 query heads are not a multiple of 3 KV heads
+        ("v_pages", jnp.zeros((9, 16, 2, 16)), {}),
+        ("kv_lens", jnp.zeros(8, jnp.float32), {}),
+        ("block_tables", jnp.zeros((7, 4), jnp.int32), {}),
+        ("query_start", jnp.zeros(8, jnp.int32), {}),
+        ("num_seqs", jnp.zeros(2, jnp.int32), {}),
+        ("sliding_window", None, {"sliding_window": 0}),
+        ("logits_soft_cap", None, {"logits_soft_cap": -1.0}),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_field(module, field, bad_value, options):
+    inputs = _valid_inputs()
+    if bad_value is not None:
+        inputs[field] = bad_value
+    with pytest.raises(ValueError, match=field):
+        module.ragged_paged_attention(*inputs.values(), sm_scale=1.0, interpret=True, **options)
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "dtype"), [(3, jnp.float32), (1, jnp.bfloat16), (6, jnp.bfloat16), (12, jnp.float32)]
+)
+def test_tpu_kernel_rejects_kv_head_counts_vmem_cannot_tile(num_kv_heads, dtype):
+    inputs = _valid_inputs()
+    inputs["q"] = jnp.zeros((16, num_kv_heads, 32), dtype)
+    inputs["k_pages"] = inputs["v_pages"] = jnp.zeros((9, 16, num_kv_heads, 32), dtype)
+    with pytest.raises(ValueError, match="k_pages heads"):
+        tpu.ragged_paged_attention(*inputs.values(), sm_scale=1.0)

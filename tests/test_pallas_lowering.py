@@ -1,0 +1,128 @@
+"""Every kernel configuration the engine uses lowers for real GPUs and TPUs, checked on this CPU-only machine.
+
+`jax.export` for `platforms=["cuda"]` / `["tpu"]` runs Pallas' Triton and Mosaic lowering here, which rejects bad
+block shapes and unsupported operations before any device sees the code. It does not run what the device's
+compiler does after that (Triton's PTX passes, Mosaic's layout passes in libtpu): those need the device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from jpaged.pallas import ragged_paged_attention as gpu
+from jpaged.pallas import ragged_paged_attention_tpu as tpu
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # Pallas-Triton's custom call: no export compatibility guarantee
+MOSAIC_TPU_CALL = "tpu_custom_call"  # stable, exportable without disabling any check
+
+BLOCK_SIZE = 16
+BUCKETS = {"decode": (256, 256), "prefill": (2048, 8)}  # (tokens T, sequence slots S)
+MAX_MODEL_LEN = 4096
+# (query heads, KV heads, head dim) of models the engine serves; TPU needs tileable KV head counts.
+GPU_MODELS = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128), "phi2": (32, 32, 80)}
+TPU_MODELS = {"qwen2.5-0.5b": (14, 2, 64), "llama3-8b": (32, 8, 128)}
+
+
+def step_shapes(bucket: str, heads: tuple[int, int, int], dtype) -> list[jax.ShapeDtypeStruct]:
+    num_tokens, num_seq_slots = BUCKETS[bucket]
+    num_q_heads, num_kv_heads, head_dim = heads
+    table_width = MAX_MODEL_LEN // BLOCK_SIZE
+    cache = jax.ShapeDtypeStruct((1 + num_seq_slots * table_width, BLOCK_SIZE, num_kv_heads, head_dim), dtype)
+    return [
+        jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), dtype),
+        cache,
+        cache,
+        jax.ShapeDtypeStruct((num_seq_slots,), jnp.int32),
+        jax.ShapeDtypeStruct((num_seq_slots, table_width), jnp.int32),
+        jax.ShapeDtypeStruct((num_seq_slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    ]
+
+
+def export_text(fn, platform: str, args) -> str:
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)] if platform == "cuda" else []
+    return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args).mlir_module()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bucket", list(BUCKETS))
+@pytest.mark.parametrize("model", list(GPU_MODELS))
+def test_gpu_kernel_lowers_to_triton_for_cuda(model, bucket, dtype):
+    fn = functools.partial(
+        gpu.ragged_paged_attention, sm_scale=0.125, sliding_window=1024, logits_soft_cap=30.0
+    )
+    assert TRITON_CALL in export_text(fn, "cuda", step_shapes(bucket, GPU_MODELS[model], dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bucket", list(BUCKETS))
+@pytest.mark.parametrize("model", list(TPU_MODELS))
+def test_tpu_kernel_lowers_to_mosaic_for_tpu(model, bucket, dtype):
+    fn = functools.partial(
+        tpu.ragged_paged_attention, sm_scale=0.125, sliding_window=1024, logits_soft_cap=30.0
+    )
+    assert MOSAIC_TPU_CALL in export_text(fn, "tpu", step_shapes(bucket, TPU_MODELS[model], dtype))
+
+
+@pytest.mark.parametrize(
+    ("module", "platform", "call"),
+    [(gpu, "cuda", TRITON_CALL), (tpu, "tpu", MOSAIC_TPU_CALL)],
+    ids=["gpu", "tpu"],
+)
+def test_stacked_cache_kernels_lower_with_a_traced_layer_index(module, platform, call):
+    q, k_pages, v_pages, *metadata = step_shapes("decode", (32, 8, 128), jnp.bfloat16)
+    stacked_cache = jax.ShapeDtypeStruct((4, *k_pages.shape), k_pages.dtype)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+    fn = functools.partial(module.ragged_paged_attention_stacked, sm_scale=0.125)
+    assert call in export_text(fn, platform, [q, stacked_cache, stacked_cache, layer, *metadata])
+
+
+def test_gpu_kernel_with_a_non_power_of_two_tile_is_rejected_at_lowering():
+    fn = functools.partial(gpu.ragged_paged_attention_stacked, sm_scale=0.125, tiling=gpu.GpuTiling(24, 64))
+    q, k_pages, v_pages, *metadata = step_shapes("prefill", (32, 8, 128), jnp.float32)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+    stacked_cache = jax.ShapeDtypeStruct((1, *k_pages.shape), k_pages.dtype)
+    with pytest.raises(ValueError, match="power of 2"):
+        export_text(fn, "cuda", [q, stacked_cache, stacked_cache, layer, *metadata])
+
+
+def _doubling_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+
+def _tiled_double(x: jax.Array, block: tuple[int, int], compiler_params) -> jax.Array:
+    spec = pl.BlockSpec(block, lambda i: (i, 0))
+    return pl.pallas_call(
+        _doubling_kernel,
+        grid=(x.shape[0] // block[0],),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        compiler_params=compiler_params,
+    )(x)
+
+
+@pytest.mark.parametrize(
+    ("platform", "compiler_params", "message"),
+    [
+        ("cuda", pltriton.CompilerParams(), "power of 2"),
+        ("tpu", pltpu.CompilerParams(), "divisible by 8 and 128"),
+    ],
+)
+def test_lowering_rejects_a_3x5_float32_block_so_these_checks_can_fail(platform, compiler_params, message):
+    x = jax.ShapeDtypeStruct((12, 10), jnp.float32)
+    good = functools.partial(_tiled_double, block=(12, 10), compiler_params=compiler_params)  # whole array
+    bad = functools.partial(_tiled_double, block=(3, 5), compiler_params=compiler_params)
+    if platform == "cuda":  # Triton wants power-of-two blocks even when they cover the array
+        x = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+        good = functools.partial(_tiled_double, block=(16, 8), compiler_params=compiler_params)
+    export_text(good, platform, [x])
+    with pytest.raises(ValueError, match=message):
+        export_text(bad, platform, [x])
