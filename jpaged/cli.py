@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import logging
 import sys
-import time
 import types
 import typing
 
@@ -38,7 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    values = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)
+    }
     return EngineConfig(**values)
 
 
@@ -76,7 +77,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention LLM inference in JAX and Pallas")
+    parser = argparse.ArgumentParser(
+        prog="jpaged", description="PagedAttention LLM inference in JAX and Pallas"
+    )
     parser.add_argument("--log-level", default="INFO")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -104,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.command == "serve":
         args.model = args.model_tag
     try:

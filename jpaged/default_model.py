@@ -16,5 +16,7 @@ def default_model_path() -> Path:
         raise ValueError(f"no model given and the embedded default is not installed: run `{INSTALL_HINT}`")
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
-        raise ValueError(f"the {DEFAULT_MODEL_PACKAGE} package holds no .gguf file; reinstall it: `{INSTALL_HINT}`")
+        raise ValueError(
+            f"the {DEFAULT_MODEL_PACKAGE} package holds no .gguf file; reinstall it: `{INSTALL_HINT}`"
+        )
     return files[0]

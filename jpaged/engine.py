@@ -23,7 +23,8 @@ from jpaged.outputs import RequestOutput
 from jpaged.sampler import SamplingRow, logprobs_bucket
 from jpaged.sampling_params import SamplingParams
 from jpaged.scheduler import Scheduler
-from jpaged.sequence import Request, Sequence as Seq
+from jpaged.sequence import Request
+from jpaged.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,9 @@ DEFAULT_MAX_MODEL_LEN = 2048
 class LLMEngine:
     """The synchronous engine loop: `add_request`, then `step()` until `has_unfinished()` is False."""
 
-    def __init__(self, config: EngineConfig | None = None, *, model: LoadedModel | None = None, **engine_args):
+    def __init__(
+        self, config: EngineConfig | None = None, *, model: LoadedModel | None = None, **engine_args
+    ):
         self.config = config = config or EngineConfig(**engine_args)
         configure_accelerator_allocator(config.gpu_memory_utilization)
         import jax
@@ -44,7 +47,9 @@ class LLMEngine:
         self.model_config = mc = self.model.config
         self.tokenizer = self.model.tokenizer
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        bytes_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, jax.numpy.dtype(dtype).itemsize)
+        bytes_per_token = kv_bytes_per_token(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, jax.numpy.dtype(dtype).itemsize
+        )
         device = jax.devices()[0]
         stats = device.memory_stats() if platform != "cpu" else None
         num_blocks = determine_num_blocks(
@@ -59,7 +64,9 @@ class LLMEngine:
         check_max_model_len_fits(num_blocks, config.block_size, self.max_model_len)
         logger.info(startup_summary(num_blocks, config.block_size, bytes_per_token, self.max_model_len))
         num_swap_blocks = int(config.swap_space * 2**30 // (bytes_per_token * config.block_size))
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks)
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks
+        )
         self.scheduler = Scheduler(config, self.blocks)
         from jpaged.model_runner import ModelRunner
 
@@ -113,7 +120,9 @@ class LLMEngine:
             )
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})"
+            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now: its blocks are freed at once. Returns its final output (finish_reason 'abort')."""
@@ -147,7 +156,9 @@ class LLMEngine:
         tables = [self.blocks.block_table(s.seq.seq_id) for s in plan.scheduled]
         batch, num_rows = self.runner.prepare(plan.scheduled, tables, rows)
         sampling_rows = [
-            SamplingRow(seq.request.params, seq.request.prompt_token_ids, seq.output_token_ids, seed, self._eos(seq))
+            SamplingRow(
+                seq.request.params, seq.request.prompt_token_ids, seq.output_token_ids, seed, self._eos(seq)
+            )
             for seq, seed in row_seqs
         ]
         tensors = self.runner.sampling_tensors(sampling_rows, num_rows)
@@ -155,7 +166,9 @@ class LLMEngine:
         for scheduled in plan.scheduled:
             seq = scheduled.seq
             seq.num_computed_tokens += scheduled.num_new_tokens
-            self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
+            self.blocks.cache_full_blocks(
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt
+            )
         targets = []  # the sequence each row's token goes to; parallel samples fork before any token lands
         for row, (seq, _) in enumerate(row_seqs):
             targets.append(self._fork(seq) if row and row_seqs[row - 1][0] is seq else seq)
@@ -201,7 +214,9 @@ class LLMEngine:
 
     def _new_seq(self, request: Request, token_ids: list[int], index: int) -> Seq:
         self._next_seq_id += 1
-        seq = Seq(self._next_seq_id, request, token_ids, index=index, seed=self._sample_seed_for(request, index))
+        seq = Seq(
+            self._next_seq_id, request, token_ids, index=index, seed=self._sample_seed_for(request, index)
+        )
         request.seqs.append(seq)
         return seq
 
@@ -209,7 +224,6 @@ class LLMEngine:
     def _sample_seed_for(request: Request, index: int) -> int:
         """Sample i of a request draws from its own stream: reproducible, independent of batch composition."""
         return (request.seed + index * 0x9E3779B97F4A7C15) % 2**63
-
 
     def _eos(self, seq: Seq) -> int | None:
         return None if seq.request.params.ignore_eos else (self.model_config.eos_token_ids or (None,))[0]
@@ -220,7 +234,9 @@ class LLMEngine:
         blocks, scheduler = self.blocks, self.scheduler
         return {
             "num_requests_running": len({s.request.request_id for s in scheduler.running}),
-            "num_requests_waiting": len({s.request.request_id for s in [*scheduler.waiting, *scheduler.swapped]}),
+            "num_requests_waiting": len(
+                {s.request.request_id for s in [*scheduler.waiting, *scheduler.swapped]}
+            ),
             "kv_cache_usage_perc": blocks.usage,
             "num_free_blocks": blocks.num_free_blocks,
             "num_total_blocks": blocks.num_total_blocks,

@@ -50,7 +50,9 @@ def _bucket(buckets: Sequence[int], size: int) -> int:
 def _step(params, kv_cache, batch, sampling, copies, *, config, attention, num_logprobs):
     """Copy-on-write block copies, the model, then sampling: one device program."""
     src, dst = copies[:, 0], copies[:, 1]
-    kv_cache = KVCache(kv_cache.k.at[:, dst].set(kv_cache.k[:, src]), kv_cache.v.at[:, dst].set(kv_cache.v[:, src]))
+    kv_cache = KVCache(
+        kv_cache.k.at[:, dst].set(kv_cache.k[:, src]), kv_cache.v.at[:, dst].set(kv_cache.v[:, src])
+    )
     logits, kv_cache = forward(params, kv_cache, batch, config=config, attention=attention)
     return kv_cache, sample(logits, sampling, num_logprobs=num_logprobs)
 
@@ -66,7 +68,12 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, params: dict, num_blocks: int, max_model_len: int
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        params: dict,
+        num_blocks: int,
+        max_model_len: int,
     ) -> None:
         enable_compilation_cache(config.compilation_cache_dir)
         self.config = config
@@ -90,7 +97,10 @@ class ModelRunner:
     # ---- batch preparation (host) ----
 
     def prepare(
-        self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[Sequence[int]], sample_rows: Sequence[int]
+        self,
+        scheduled: Sequence[ScheduledSeq],
+        block_tables: Sequence[Sequence[int]],
+        sample_rows: Sequence[int],
     ) -> tuple[StepBatch, int]:
         """Flat padded arrays for the scheduled sequences; `sample_rows[i]` is the scheduled index of sampled row i."""
         num_seqs = len(scheduled)
@@ -123,7 +133,13 @@ class ModelRunner:
         logits_indices = np.zeros(s_bucket, np.int32)
         logits_indices[: len(sample_rows)] = query_start[np.asarray(sample_rows, np.int32) + 1] - 1
         batch = StepBatch(
-            token_ids, positions, slot_mapping, tables, query_start, kv_lens, np.array([num_seqs], np.int32),
+            token_ids,
+            positions,
+            slot_mapping,
+            tables,
+            query_start,
+            kv_lens,
+            np.array([num_seqs], np.int32),
             logits_indices,
         )
         return batch, s_bucket
@@ -157,12 +173,17 @@ class ModelRunner:
         return jax.tree_util.tree_map(np.asarray, out)
 
     def _compiled_for(self, args, num_logprobs):
-        key = (jax.tree_util.tree_structure(args), tuple(np.shape(x) for x in jax.tree_util.tree_leaves(args[2:])))
+        key = (
+            jax.tree_util.tree_structure(args),
+            tuple(np.shape(x) for x in jax.tree_util.tree_leaves(args[2:])),
+        )
         key = (key, num_logprobs)
         compiled = self._compiled.get(key)
         if compiled is None:
             if self.warmed_up:
-                logger.warning("compiling a new step shape after warm-up: %s, logprobs=%s", key[0][1], num_logprobs)
+                logger.warning(
+                    "compiling a new step shape after warm-up: %s, logprobs=%s", key[0][1], num_logprobs
+                )
             compiled = self._step.lower(*args, num_logprobs=num_logprobs).compile()
             self._compiled[key] = compiled
             self.num_compilations += 1
@@ -171,7 +192,9 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> float:
         """Compile every (T, S) bucket pair that can occur, greedy and sampled; returns seconds taken."""
         start = time.perf_counter()
-        pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t or s == self.seq_buckets[0]]
+        pairs = [
+            (t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t or s == self.seq_buckets[0]
+        ]
         for t, s in tqdm(pairs, desc="warm-up (compiling buckets)", disable=not progress):
             batch = _dummy_batch(t, s, self.max_blocks_per_seq)
             for tensors in (self.sampling_tensors([], s), _sampled_dummy(self, s)):
@@ -199,8 +222,14 @@ def _scatter_blocks(kv_cache: KVCache, ids, k, v) -> KVCache:
 def _dummy_batch(num_tokens: int, num_seqs: int, width: int) -> StepBatch:
     zeros = functools.partial(np.zeros, dtype=np.int32)
     return StepBatch(
-        zeros(num_tokens), zeros(num_tokens), zeros(num_tokens), zeros((num_seqs, width)), zeros(num_seqs + 1),
-        zeros(num_seqs), np.array([0], np.int32), zeros(num_seqs),
+        zeros(num_tokens),
+        zeros(num_tokens),
+        zeros(num_tokens),
+        zeros((num_seqs, width)),
+        zeros(num_seqs + 1),
+        zeros(num_seqs),
+        np.array([0], np.int32),
+        zeros(num_seqs),
     )
 
 

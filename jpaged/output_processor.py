@@ -46,7 +46,9 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = "stop", token
             elif seq.detokenizer is not None and seq.detokenizer.stop_reason is not None:
                 seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
-        if seq.finish_reason is None and (num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+        if seq.finish_reason is None and (
+            num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
             seq.finish_reason = "length"
         if seq.finish_reason is not None and seq.detokenizer is not None:
             seq.text += seq.detokenizer.finish()

@@ -54,7 +54,9 @@ class Sequence:
     stop_reason: int | str | None = None
     logprobs: list[dict] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    text: str = ""  # output text streamed so far (the detokenizer holds back partial characters, stop prefixes)
+    text: str = (
+        ""  # output text streamed so far (the detokenizer holds back partial characters, stop prefixes)
+    )
     detokenizer: Any = None
     seed: int = 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Sequence
@@ -24,15 +25,15 @@ def load_tokenizer(path: Path, gguf_file: str | None = None) -> PreTrainedTokeni
     if gguf_file is None:
         return AutoTokenizer.from_pretrained(str(path))
     stat = (path / gguf_file).stat()
-    key = hashlib.sha256(f"{(path / gguf_file).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    key = hashlib.sha256(
+        f"{(path / gguf_file).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()
     cached = _cache_dir() / key[:24]
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
     tokenizer = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
-    try:
+    with contextlib.suppress(OSError):  # a read-only home only costs the conversion next time
         tokenizer.save_pretrained(str(cached))
-    except OSError:
-        pass  # a read-only home only costs the conversion next time
     return tokenizer
 
 

@@ -11,10 +11,22 @@ from jpaged.config import EngineConfig
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the model path)")
-    parser.add_argument("--api-key", default=os.environ.get("JPAGED_API_KEY"), help="also read from JPAGED_API_KEY")
+    parser.add_argument(
+        "--served-model-name", default=None, help="name clients use (default: the model path)"
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("JPAGED_API_KEY"), help="also read from JPAGED_API_KEY"
+    )
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template, inline or a file path")
-    parser.add_argument("--shutdown-grace-period", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    parser.add_argument(
+        "--shutdown-grace-period", type=float, default=30.0, help="seconds to finish requests on SIGTERM"
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="requests that may wait beyond --max-num-seqs before new ones get 503",
+    )
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -18,6 +18,8 @@ def assert_same_greedy(reference: CompletionOutput, other: Sequence[int], label:
         assert reference.logprobs is not None, "the reference needs logprobs to judge a divergence"
         top = sorted(reference.logprobs[step].values(), key=lambda lp: -lp.logprob)[:2]
         gap = top[0].logprob - top[1].logprob
-        assert gap < NEAR_TIE, f"{label}: diverged at step {step} ({expected} vs {actual}) with a top-2 gap of {gap}"
+        assert gap < NEAR_TIE, (
+            f"{label}: diverged at step {step} ({expected} vs {actual}) with a top-2 gap of {gap}"
+        )
         return
     assert list(other) == list(reference.token_ids), f"{label}: same prefix but different lengths"

@@ -92,7 +92,9 @@ def test_prefix_caching_serves_a_shared_800_token_prefix_and_keeps_outputs(model
     second = run(engine, questions[1:])
     hits = engine.blocks.prefix_cache_hits - hits_before
     assert hits == prefix_len // 16 * 16  # every full block of the shared prefix, nothing more
-    uncached = make(model, max_model_len=1024, num_blocks=200, max_num_batched_tokens=512, enable_prefix_caching=False)
+    uncached = make(
+        model, max_model_len=1024, num_blocks=200, max_num_batched_tokens=512, enable_prefix_caching=False
+    )
     assert_all_same(first + second, run(uncached, questions), "prefix caching off")
 
 

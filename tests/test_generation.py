@@ -22,7 +22,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, num_blocks=256, enforce_eager=True)
+    return LLM(
+        max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, num_blocks=256, enforce_eager=True
+    )
 
 
 def hf_greedy(model_path, prompt_ids: list[int], num_tokens: int) -> list[int]:
@@ -52,7 +54,9 @@ def test_greedy_tokens_equal_transformers_for_32_tokens(llm, default_gguf):
 def test_returned_logprobs_are_the_model_log_softmax(llm, default_gguf):
     import torch
 
-    output = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3), use_tqdm=False)[0]
+    output = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3), use_tqdm=False
+    )[0]
     completion = output.outputs[0]
     ids = torch.tensor([output.prompt_token_ids + completion.token_ids])
     with torch.no_grad():
@@ -68,7 +72,10 @@ def test_returned_logprobs_are_the_model_log_softmax(llm, default_gguf):
 
 
 def test_chat_template_answers_the_capital_of_france(llm):
-    output = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=24, temperature=0))[0]
+    output = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=24, temperature=0),
+    )[0]
     assert "Paris" in output.outputs[0].text
     assert output.outputs[0].finish_reason == "stop"  # <|im_end|> ends the turn
 
@@ -86,7 +93,15 @@ def test_out_of_vocabulary_prompt_token_is_a_value_error(llm):
 
 def test_cli_generate_answers_paris():
     result = subprocess.run(
-        [sys.executable, "-m", "jpaged.cli", "generate", "What is the capital of France?", "--max-tokens", "16"],
+        [
+            sys.executable,
+            "-m",
+            "jpaged.cli",
+            "generate",
+            "What is the capital of France?",
+            "--max-tokens",
+            "16",
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -43,7 +43,9 @@ def test_sharded_safetensors_load_like_a_single_file(tiny_model_dir, tmp_path, d
     default_tokenizer.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    assert_same_params(load_model(str(tmp_path), progress=False).params, load_model(str(single), progress=False).params)
+    assert_same_params(
+        load_model(str(tmp_path), progress=False).params, load_model(str(single), progress=False).params
+    )
 
 
 def test_orbax_checkpoint_round_trip(tiny_model_dir, tmp_path):

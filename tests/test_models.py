@@ -24,7 +24,9 @@ class PagedRun:
         self.config, self.params = loaded.config, jax.device_put(loaded.params)
         self.width = max_len // BLOCK
         self.cache = init_kv_cache(self.config, 1 + num_seqs * self.width, BLOCK, jnp.float32)
-        self.fn = jax.jit(functools.partial(forward, config=self.config, attention=get_attention_fn("reference")))
+        self.fn = jax.jit(
+            functools.partial(forward, config=self.config, attention=get_attention_fn("reference"))
+        )
 
     def step(self, seqs: list[list[int]], starts: list[int], ends: list[int]) -> list[np.ndarray]:
         """Compute tokens [start, end) of each sequence; returns each sequence's logits for those tokens."""

@@ -79,7 +79,9 @@ class ModelConfig:
         if rope_type == "default":
             scaling = {}
         elif rope_type not in ("linear", "llama3"):
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3")
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3"
+            )
         sliding_window = hf.get("sliding_window")
         if model_type == "qwen2" and not hf.get("use_sliding_window", False):
             sliding_window = None

@@ -68,7 +68,9 @@ def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
+        local = snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+        )
     except Exception as err:  # the hub client raises many types; all mean the same to a user
         raise ValueError(
             f"could not fetch {repo_id!r} from the Hugging Face hub (offline, unknown repo or no access): {err}"

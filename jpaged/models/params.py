@@ -39,7 +39,10 @@ def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress
             add("q_norm", get(p + "self_attn.q_norm.weight"))
             add("k_norm", get(p + "self_attn.k_norm.weight"))
         add("wo", linear(p + "self_attn.o_proj.weight"))
-        add("w_gate_up", np.concatenate([linear(p + "mlp.gate_proj.weight"), linear(p + "mlp.up_proj.weight")], 1))
+        add(
+            "w_gate_up",
+            np.concatenate([linear(p + "mlp.gate_proj.weight"), linear(p + "mlp.up_proj.weight")], 1),
+        )
         add("w_down", linear(p + "mlp.down_proj.weight"))
 
     params = {

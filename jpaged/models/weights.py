@@ -54,7 +54,9 @@ def safetensors_reader(model_dir: Path) -> GetTensor:
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_dir}")
     handles = [safe_open(str(f), framework="numpy") for f in files]
-    where = {name: h for h in handles for name in h.keys()}
+    where = {}
+    for handle in handles:
+        where.update(dict.fromkeys(handle.keys(), handle))
 
     def get(name: str) -> np.ndarray:
         if name not in where:

@@ -17,7 +17,12 @@ from jpaged.pallas.reference import paged_attention_stacked, ragged_paged_attent
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
 
-__all__ = ["ATTENTION_IMPLS", "get_attention_fn", "ragged_paged_attention_reference", "resolve_attention_impl"]
+__all__ = [
+    "ATTENTION_IMPLS",
+    "get_attention_fn",
+    "ragged_paged_attention_reference",
+    "resolve_attention_impl",
+]
 
 
 def resolve_attention_impl(impl: str, backend: str | None = None) -> str:

@@ -125,9 +125,9 @@ def paged_attention_stacked(
 
     # Last token of every sequence: one vectorised pass (the whole of a decode step).
     last_rows = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1)
-    last_out = jax.vmap(lambda row, table, kv_len: attend(grouped[row][None], (kv_len - 1)[None], table, kv_len))(
-        last_rows, tables, kv_lens
-    )[:, 0]
+    last_out = jax.vmap(
+        lambda row, table, kv_len: attend(grouped[row][None], (kv_len - 1)[None], table, kv_len)
+    )(last_rows, tables, kv_lens)[:, 0]
 
     # Remaining prefill rows, tile by tile, sequence by sequence; the query array is padded by one tile so
     # dynamic slices never clamp.
@@ -142,7 +142,9 @@ def paged_attention_stacked(
             row0 = start + t * _QUERY_TILE
             offsets = t * _QUERY_TILE + jnp.arange(_QUERY_TILE)
             positions = kv_len - q_len + offsets
-            tile = attend(jax.lax.dynamic_slice_in_dim(padded_q, row0, _QUERY_TILE), positions, tables[s], kv_len)
+            tile = attend(
+                jax.lax.dynamic_slice_in_dim(padded_q, row0, _QUERY_TILE), positions, tables[s], kv_len
+            )
             keep = (offsets < q_len - 1)[:, None, None, None]
             old = jax.lax.dynamic_slice_in_dim(out, row0, _QUERY_TILE)
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, tile, old), row0, 0)

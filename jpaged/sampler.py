@@ -1,0 +1,392 @@
+"""On-device sampling with per-row parameters, so one compiled step mixes greedy and sampled requests.
+
+Shapes: S rows (padded batch), V vocabulary, H token-history width, B sparse logit-bias entries per row,
+A allowed ids per row, K top logprobs per row (0, 5 or 20).
+
+Stages, in vLLM v1's order: allowed_token_ids / bad words / min_tokens / logit_bias (one sparse additive bias
+and a vocabulary restriction) -> penalties (repetition on prompt+output, frequency and presence on output)
+-> temperature -> min_p -> top_k -> top_p -> draw. Logprobs are of the raw logits (vLLM's "raw_logprobs").
+
+Feature switches: optional fields of `SamplingTensors` are None when no row in the batch needs them, and `jit`
+specialises on which are None (the pytree structure), so the common path carries no extra inputs or work:
+  keys, steps                      None when every row is greedy: no random numbers, no temperature/min_p
+  top_k, top_p                     None when no row truncates (present but all off costs one lax.cond)
+  history, prompt_lens, *_penalty  None when no row has a penalty: skips the [S, H] scatter
+  bias_ids, bias_values            None when no row has logit_bias, an active bad word or an active min_tokens
+  allowed_ids, vocab_restricted    None when no row has allowed_token_ids
+Each combination that occurs is one compilation; the engine warms up the ones it expects.
+
+Randomness: a row's key is fold_in(key(seed), tokens generated so far), so a draw depends only on the request's
+seed and position, never on its row or the batch. The draw is a two-level inverse CDF with two uniforms per row
+(cheaper on CPU than a Gumbel draw per vocabulary entry). top_k/top_p find their cut-off among the few best
+logits (lax.top_k), falling back to more candidates and finally an exact bisection only when those cannot
+decide; nothing sorts V (XLA's sort of [S, V] takes seconds on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.sampling_params import SAMPLING_EPS, SamplingParams
+
+LOGPROB_BUCKETS = (0, 5, 20)  # static top-K sizes, so the number of logprob shapes stays small
+MIN_WIDTH = 16  # smallest padded width of the history / bias / allowed arrays
+TRUNCATION_CANDIDATES = (256, 4096)  # top_k/top_p look at this many best logits before bisecting
+CDF_BLOCK = 256  # block length of the two-level inverse-CDF draw
+_UINT32 = 0xFFFFFFFF
+_NEG_INF_BITS = 0x7F800000  # float32 bits of +inf: -bitcast(this) is -inf
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs about one running sequence; the engine builds one per row each step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    seed: int  # the request's seed, or one the engine drew from its own seeded RNG
+    eos_token_id: int | None = None  # banned together with stop_token_ids until min_tokens are generated
+    bad_words_token_ids: Sequence[Sequence[int]] = ()  # from sampling_params.tokenize_bad_words
+
+
+class SamplingTensors(NamedTuple):
+    """Per-row sampling inputs, leading dim S; padded rows are greedy and unbiased. See the module doc."""
+
+    temperature: jax.Array  # f32[S]
+    min_p: jax.Array  # f32[S]
+    keys: jax.Array | None = None  # u32[S, 2] raw threefry key data of the row's seed
+    steps: jax.Array | None = None  # i32[S] tokens generated so far, folded into the key
+    top_k: jax.Array | None = None  # i32[S], 0 = off
+    top_p: jax.Array | None = None  # f32[S]
+    history: jax.Array | None = None  # i32[S, H] prompt then output tokens, padded with V
+    prompt_lens: jax.Array | None = None  # i32[S]
+    presence_penalty: jax.Array | None = None  # f32[S]
+    frequency_penalty: jax.Array | None = None  # f32[S]
+    repetition_penalty: jax.Array | None = None  # f32[S]
+    bias_ids: jax.Array | None = None  # i32[S, B], padded with V
+    bias_values: jax.Array | None = None  # f32[S, B], -inf bans
+    allowed_ids: jax.Array | None = None  # i32[S, A], padded with V
+    vocab_restricted: jax.Array | None = None  # bool[S], rows whose allowed_ids apply
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array | None  # f32[S, 1 + K]: sampled token, then the top K; None when not asked
+    logprob_token_ids: jax.Array | None  # i32[S, 1 + K]
+    sampled_rank: jax.Array | None  # i32[S], 1-based rank of the sampled token under the raw logits
+
+
+def logprobs_bucket(rows: Sequence[SamplingRow]) -> int | None:
+    """Static `num_logprobs` for a batch: None when no row asks, else the smallest bucket that covers all."""
+    asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    if not asked:
+        return None
+    return next(b for b in LOGPROB_BUCKETS if b >= max(asked))
+
+
+def _width(n: int) -> int:
+    return max(MIN_WIDTH, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _padded(lists: Sequence[Sequence[float]], num_rows: int, width: int, fill: float, dtype) -> np.ndarray:
+    out = np.full((num_rows, width), fill, dtype=dtype)
+    for i, values in enumerate(lists):
+        out[i, : len(values)] = values
+    return out
+
+
+def _bias_entries(row: SamplingRow) -> dict[int, float]:
+    """logit_bias plus -inf bans: bad words whose prefix was just generated, stop tokens before min_tokens."""
+    params, outputs = row.params, row.output_token_ids
+    entries = dict(params.logit_bias or {})
+    for word in row.bad_words_token_ids:
+        prefix = list(word[:-1])
+        if not prefix or (len(outputs) >= len(prefix) and list(outputs[-len(prefix) :]) == prefix):
+            entries[word[-1]] = -np.inf
+    if len(outputs) < params.min_tokens:
+        stops = [*(params.stop_token_ids or []), *([] if row.eos_token_id is None else [row.eos_token_id])]
+        entries.update(dict.fromkeys(stops, -np.inf))
+    return entries
+
+
+def build_sampling_tensors(
+    rows: Sequence[SamplingRow], num_rows: int, vocab_size: int, *, history_len: int | None = None
+) -> SamplingTensors:
+    """Host side: pack the rows into padded numpy arrays and decide which stages this batch needs.
+
+    `history_len` fixes H (pass max_model_len for one shape); by default H is the next power of two.
+    """
+    if len(rows) > num_rows:
+        raise ValueError(f"num_rows ({num_rows}) is smaller than the number of rows ({len(rows)})")
+    pad = num_rows - len(rows)
+    params = [r.params for r in rows]
+
+    def column(values: list, fill, dtype) -> np.ndarray:
+        return np.array(values + [fill] * pad, dtype=dtype)
+
+    fields: dict[str, np.ndarray] = {
+        "temperature": column([p.temperature for p in params], 0.0, np.float32),
+        "min_p": column([p.min_p for p in params], 0.0, np.float32),
+    }
+    if any(not p.is_greedy for p in params):
+        seeds = [r.seed & 0xFFFFFFFFFFFFFFFF for r in rows]  # threefry keys hold a 64-bit seed as (hi, lo)
+        fields["keys"] = _padded([[s >> 32, s & _UINT32] for s in seeds], num_rows, 2, 0, np.uint32)
+        fields["steps"] = column([len(r.output_token_ids) for r in rows], 0, np.int32)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        fields["top_k"] = column([max(p.top_k, 0) for p in params], 0, np.int32)
+        fields["top_p"] = column([p.top_p for p in params], 1.0, np.float32)
+    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+        histories = [[*r.prompt_token_ids, *r.output_token_ids] for r in rows]
+        longest = max(len(h) for h in histories)
+        width = _width(longest) if history_len is None else history_len
+        if longest > width:
+            raise ValueError(f"history_len ({width}) is shorter than a row's history ({longest})")
+        fields["history"] = _padded(histories, num_rows, width, vocab_size, np.int32)
+        fields["prompt_lens"] = column([len(r.prompt_token_ids) for r in rows], 0, np.int32)
+        fields["presence_penalty"] = column([p.presence_penalty for p in params], 0.0, np.float32)
+        fields["frequency_penalty"] = column([p.frequency_penalty for p in params], 0.0, np.float32)
+        fields["repetition_penalty"] = column([p.repetition_penalty for p in params], 1.0, np.float32)
+    biases = [_bias_entries(r) for r in rows]
+    if any(biases):
+        width = _width(max(len(b) for b in biases))
+        fields["bias_ids"] = _padded([list(b) for b in biases], num_rows, width, vocab_size, np.int32)
+        fields["bias_values"] = _padded([list(b.values()) for b in biases], num_rows, width, 0.0, np.float32)
+    if any(p.allowed_token_ids is not None for p in params):
+        allowed = [p.allowed_token_ids or [] for p in params]
+        width = _width(max(len(a) for a in allowed))
+        fields["allowed_ids"] = _padded(allowed, num_rows, width, vocab_size, np.int32)
+        fields["vocab_restricted"] = column([p.allowed_token_ids is not None for p in params], False, bool)
+    return SamplingTensors(**fields)
+
+
+def _scatter_rows(ids: jax.Array, values: jax.Array | float, vocab_size: int, dtype, op: str) -> jax.Array:
+    """Dense [S, V] from per-row sparse ids; id V (padding) lands in a dropped extra column."""
+    dense = jnp.zeros((ids.shape[0], vocab_size + 1), dtype)
+    rows = jnp.arange(ids.shape[0])[:, None]
+    return getattr(dense.at[rows, ids], op)(values)[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: jax.Array,
+    history: jax.Array,
+    prompt_lens: jax.Array,
+    presence_penalty: jax.Array,
+    frequency_penalty: jax.Array,
+    repetition_penalty: jax.Array,
+) -> jax.Array:
+    """vLLM's apply_penalties: repetition over prompt+output tokens, frequency and presence over output only."""
+    vocab_size = logits.shape[-1]
+    is_output = jnp.arange(history.shape[1])[None, :] >= prompt_lens[:, None]
+    output_counts = _scatter_rows(history, is_output.astype(jnp.int32), vocab_size, jnp.int32, "add")
+    seen = _scatter_rows(history, True, vocab_size, jnp.bool_, "set")
+    repetition = jnp.where(seen, repetition_penalty[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
+    logits = logits - frequency_penalty[:, None] * output_counts
+    return logits - presence_penalty[:, None] * (output_counts > 0)
+
+
+class _LogWeights(NamedTuple):
+    """Maps logits to log sampling weights: temperature applied, shifted so the row's best is 0,
+    -inf below the row's cut-off (min_p, then top_k/top_p). Recomputed inside fused passes on the common path
+    rather than stored as an [S, V] array."""
+
+    peak: jax.Array  # f32[S] the row's max logit
+    inv_temperature: jax.Array  # f32[S]
+    floor: jax.Array  # f32[S] lowest kept log-weight
+
+    def __call__(self, logits: jax.Array) -> jax.Array:
+        log_weights = (logits - self.peak[:, None]) * self.inv_temperature[:, None]
+        return jnp.where(log_weights >= self.floor[:, None], log_weights, -jnp.inf)
+
+
+def _candidate_threshold(
+    logits: jax.Array,
+    cut: _LogWeights,
+    mass: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    num_candidates: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Lowest kept log-weight under top_k then top_p, from the `num_candidates` best logits of each row.
+
+    `mass` is each row's total weight after min_p. Returns the threshold [S] and whether the candidates decided
+    it [S]: top_k within the candidates, or top_p alone reaching p inside them.
+    """
+    vocab_size = logits.shape[-1]
+    values = cut(jax.lax.top_k(logits, num_candidates)[0])
+    probs = jnp.exp(values) / mass[:, None]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab_size), vocab_size)
+    k_known = k <= num_candidates
+    in_top_k = jnp.arange(num_candidates)[None, :] < k[:, None]
+    # top_p is relative to the mass left by top_k (vLLM renormalises after top_k).
+    kept_mass = jnp.where(k_known, jnp.sum(jnp.where(in_top_k, probs, 0.0), axis=-1), 1.0)
+    mass_ahead = jnp.cumsum(probs, axis=-1) - probs
+    in_top_p = (mass_ahead < (top_p * kept_mass)[:, None]) | (top_p[:, None] >= 1.0)
+    num_in_top_p = jnp.sum(in_top_p, axis=-1)  # >= 1: nothing is ahead of the best token
+    num_kept = jnp.minimum(jnp.minimum(k, num_in_top_p), num_candidates)
+    threshold = jnp.take_along_axis(values, num_kept[:, None] - 1, axis=-1)[:, 0]
+    untruncated = (top_k <= 0) & (top_p >= 1.0)
+    decided = untruncated | k_known | ((top_k <= 0) & (num_in_top_p < num_candidates))
+    return jnp.where(untruncated, -jnp.inf, threshold), decided
+
+
+def _bisected_threshold(logits: jax.Array, cut: _LogWeights, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Exact top_k/top_p threshold for any row, by bisection on the float bits of the threshold.
+
+    Each criterion takes 32 masked passes over [S, V]: several times cheaper than XLA's sort on CPU.
+    """
+    log_weights = cut(logits)
+    weights = jnp.exp(log_weights)
+
+    def highest_threshold(score, target: jax.Array) -> jax.Array:
+        """Largest t (a log-weight present in the row) with score(log_weights >= t) >= target.
+
+        Searches u = bits(-t): for t <= 0 the bits grow as t falls, and score never falls as t falls.
+        """
+
+        def halve(_, bounds):
+            low, high = bounds  # score holds at high
+            mid = low + (high - low) // 2
+            holds = score(log_weights >= -_as_float(mid)[:, None]) >= target
+            return jnp.where(holds, low, mid + 1), jnp.where(holds, mid, high)
+
+        start = (jnp.zeros_like(target, jnp.int32), jnp.full(target.shape, _NEG_INF_BITS, jnp.int32))
+        return -_as_float(jax.lax.fori_loop(0, 32, halve, start)[1])
+
+    def count(kept: jax.Array) -> jax.Array:
+        return jnp.sum(kept, axis=-1, dtype=jnp.int32)
+
+    def mass(kept: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(kept, weights, 0.0), axis=-1)
+
+    def where_active(active: jax.Array, threshold) -> jax.Array:
+        """threshold() for active rows, -inf for the others; skipped when no row is active."""
+        off = jnp.full(active.shape, -jnp.inf, jnp.float32)
+        return jax.lax.cond(jnp.any(active), lambda: jnp.where(active, threshold(), off), lambda: off)
+
+    k_threshold = where_active(top_k > 0, lambda: highest_threshold(count, top_k))
+    kept_mass = mass(log_weights >= k_threshold[:, None])  # top_p is relative to what top_k keeps
+    p_threshold = where_active(top_p < 1.0, lambda: highest_threshold(mass, top_p * kept_mass))
+    return jnp.maximum(k_threshold, p_threshold)
+
+
+def _as_float(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _top_k_top_p_threshold(
+    logits: jax.Array, cut: _LogWeights, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """Exact truncation threshold, cheap when a small candidate set decides every row.
+
+    Skips all work when no row truncates (batches may carry top_k/top_p just to share a compilation), then
+    tries TRUNCATION_CANDIDATES in turn and finally bisection; lax.cond runs a costlier stage only when needed.
+    """
+    tiers = [c for c in TRUNCATION_CANDIDATES if c < logits.shape[-1]]
+
+    def solve(tier: int, mass: jax.Array) -> jax.Array:
+        if tier == len(tiers):
+            return _bisected_threshold(logits, cut, top_k, top_p)
+        threshold, decided = _candidate_threshold(logits, cut, mass, top_k, top_p, tiers[tier])
+        return jax.lax.cond(jnp.all(decided), lambda: threshold, lambda: solve(tier + 1, mass))
+
+    truncates = jnp.any((top_k > 0) | (top_p < 1.0))
+    untruncated = jnp.full(logits.shape[:1], -jnp.inf, logits.dtype)
+    return jax.lax.cond(
+        truncates, lambda: solve(0, jnp.sum(jnp.exp(cut(logits)), axis=-1)), lambda: untruncated
+    )
+
+
+def _first_above(weights: jax.Array, uniform: jax.Array) -> jax.Array:
+    """Index where the cdf of `weights` first exceeds uniform * total; never a zero-weight entry."""
+    cdf = jnp.cumsum(weights, axis=-1)
+    index = jnp.sum(cdf <= (uniform * cdf[:, -1])[:, None], axis=-1)
+    last_positive = jnp.max(jnp.where(weights > 0, jnp.arange(weights.shape[-1])[None, :], 0), axis=-1)
+    return jnp.where(index < weights.shape[-1], index, last_positive)  # rounding at the very top
+
+
+def _inverse_cdf(logits: jax.Array, cut: _LogWeights, uniforms: jax.Array) -> jax.Array:
+    """Draw index ~ exp(cut(logits)) with two uniforms per row: a block of the vocabulary, then a token in it.
+
+    Two levels keep cumulative sums short (XLA's cumsum over a whole [S, V] row is slow on CPU), and only the
+    block sums read all of V, fused with the exp.
+    """
+    num_rows, vocab_size = logits.shape
+    block = min(CDF_BLOCK, vocab_size & -vocab_size)  # largest power of two dividing V, capped
+    blocks = logits.reshape(num_rows, vocab_size // block, block)
+    block_mass = jnp.sum(jnp.exp(cut(logits)).reshape(blocks.shape), axis=-1)
+    chosen_block = _first_above(block_mass, uniforms[:, 0])
+    in_block = jnp.take_along_axis(blocks, chosen_block[:, None, None], axis=1)[:, 0]
+    return (chosen_block * block + _first_above(jnp.exp(cut(in_block)), uniforms[:, 1])).astype(jnp.int32)
+
+
+def _uniforms(keys: jax.Array, steps: jax.Array) -> jax.Array:
+    """f32[S, 2] from fold_in(key(seed), step): a row's draw never depends on its row or the batch."""
+    row_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys, impl="threefry2x32"), steps)
+    return jax.vmap(lambda key: jax.random.uniform(key, (2,), jnp.float32))(row_keys)
+
+
+def _random_tokens(logits: jax.Array, peak: jax.Array, t: SamplingTensors) -> jax.Array:
+    """temperature -> min_p -> top_k -> top_p -> draw, as vLLM v1 orders them."""
+    inv_temperature = 1.0 / jnp.where(t.temperature < SAMPLING_EPS, 1.0, t.temperature)
+    cut = _LogWeights(peak, inv_temperature, jnp.log(t.min_p))  # min_p: p >= min_p * p_max
+    if t.top_k is not None:
+        threshold = _top_k_top_p_threshold(logits, cut, t.top_k, t.top_p)
+        cut = cut._replace(floor=jnp.maximum(cut.floor, threshold))
+    return _inverse_cdf(logits, cut, _uniforms(t.keys, t.steps))
+
+
+def _processed_logits(raw: jax.Array, t: SamplingTensors) -> jax.Array:
+    """allowed_token_ids, then the sparse bias (logit_bias, bad words, min_tokens), then penalties."""
+    vocab_size = raw.shape[-1]
+    logits = raw
+    if t.allowed_ids is not None:
+        allowed = _scatter_rows(t.allowed_ids, True, vocab_size, jnp.bool_, "set")
+        logits = jnp.where(allowed | ~t.vocab_restricted[:, None], logits, -jnp.inf)
+    if t.bias_ids is not None:
+        logits = logits + _scatter_rows(t.bias_ids, t.bias_values, vocab_size, jnp.float32, "add")
+    if t.history is not None:
+        logits = apply_penalties(
+            logits, t.history, t.prompt_lens, t.presence_penalty, t.frequency_penalty, t.repetition_penalty
+        )
+    return logits
+
+
+def gather_logprobs(
+    logits: jax.Array, token_ids: jax.Array, num_logprobs: int, peak: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logprobs of raw logits [N, V]: [N, 1 + K] values and ids (the given token, then the top K), and rank.
+
+    Also serves prompt logprobs: pass the prompt positions' logits and the next prompt tokens. Never
+    materialises log_softmax over V: ranks and top-K are read off the logits, then shifted by logsumexp.
+    `peak` (each row's max logit) saves a pass when the caller has it.
+    """
+    peak = (jnp.max(logits, axis=-1) if peak is None else peak)[:, None]
+    log_normaliser = peak + jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
+    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)
+    rank = jnp.sum(logits >= chosen, axis=-1).astype(jnp.int32)  # vLLM counts ties as ahead
+    top_values, top_ids = jax.lax.top_k(logits, num_logprobs)
+    values = jnp.concatenate([chosen, top_values], axis=-1) - log_normaliser
+    ids = jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
+    return values, ids, rank
+
+
+def sample(logits: jax.Array, t: SamplingTensors, *, num_logprobs: int | None) -> SamplerOutput:
+    """Device side: pick one token per row from logits [S, V]; `num_logprobs` is static (None, 0, 5, 20)."""
+    raw = logits.astype(jnp.float32)
+    processed = _processed_logits(raw, t)
+    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    peak = jnp.take_along_axis(processed, greedy_ids[:, None], axis=-1)[:, 0]
+    token_ids = greedy_ids
+    if t.keys is not None:
+        token_ids = jnp.where(t.temperature < SAMPLING_EPS, greedy_ids, _random_tokens(processed, peak, t))
+    if num_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None)
+    raw_peak = peak if processed is raw else None
+    return SamplerOutput(token_ids, *gather_logprobs(raw, token_ids, num_logprobs, raw_peak))

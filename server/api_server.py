@@ -1,0 +1,155 @@
+"""The FastAPI app (routes, auth, errors) and `run_server`, which serves it with uvicorn until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import jpaged
+from jpaged.async_engine import AsyncLLMEngine
+from jpaged.config import EngineConfig
+from server.chat_template import chat_prompt_ids, load_chat_template
+from server.errors import APIError, error_response, install_error_handlers
+from server.lifecycle import GracefulServer
+from server.metrics import ServerMetrics
+from server.protocol import (
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+)
+from server.serving_chat import create_chat_completion
+from server.serving_completions import create_completion
+from server.state import ServerState, get_state
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})  # probes and scrapers carry no API key
+DEFAULT_MODEL_NAME = "jpaged-default"
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    *,
+    max_waiting_requests: int = 256,
+) -> FastAPI:
+    """An OpenAI-compatible app over a running engine; the caller owns the engine (and shuts it down)."""
+    app = FastAPI(title="jpaged", version=jpaged.__version__)
+    app.state.server = ServerState(
+        engine=engine,
+        model_name=served_model_name,
+        metrics=ServerMetrics(engine, served_model_name),
+        api_key=api_key,
+        chat_template=chat_template,
+        max_waiting_requests=max_waiting_requests,
+    )
+    install_error_handlers(app)
+    app.add_middleware(APIKeyMiddleware, state=app.state.server)
+    app.post("/v1/completions")(create_completion)
+    app.post("/v1/chat/completions")(create_chat_completion)
+    _add_info_routes(app)
+    return app
+
+
+class APIKeyMiddleware:
+    """401 for every path but the open ones unless `Authorization: Bearer <key>` matches (plain ASGI, so
+    streamed responses and client disconnects pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        needs_key = scope["type"] == "http" and scope["path"] not in OPEN_PATHS
+        if needs_key and not self.state.authorized(Headers(scope=scope).get("authorization", "")):
+            response = error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _add_info_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        state = get_state(request)
+        if not state.engine.is_alive:
+            return error_response(503, f"the engine loop died: {state.engine.error!r}")
+        if state.draining:
+            return error_response(503, "the server is shutting down")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": jpaged.__version__}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        # engine.metrics() waits for the engine lock (up to one step): keep the event loop free meanwhile.
+        body = await asyncio.to_thread(get_state(request).metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        state = get_state(request)
+        card = ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+        state = get_state(request)
+        state.check_model(body.model)
+        tokenizer = state.engine.engine.tokenizer
+        if isinstance(body, TokenizeChatRequest):
+            tokens = chat_prompt_ids(
+                tokenizer,
+                body.messages,
+                chat_template=state.chat_template,
+                add_generation_prompt=body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
+            )
+        else:
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+        state = get_state(request)
+        state.check_model(body.model)
+        vocab_size = state.engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab_size})", "tokens")
+        return {"prompt": state.engine.engine.tokenizer.decode(body.tokens)}
+
+
+def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Load the engine, serve until SIGTERM/SIGINT, drain within the grace period, exit 0."""
+    if args.max_waiting_requests < 0:
+        raise ValueError(f"max_waiting_requests must be >= 0, got {args.max_waiting_requests}")
+    if args.shutdown_grace_period < 0:
+        raise ValueError(f"shutdown_grace_period must be >= 0 seconds, got {args.shutdown_grace_period}")
+    chat_template = load_chat_template(args.chat_template)
+    engine = AsyncLLMEngine.from_config(config)
+    try:
+        app = build_app(
+            engine,
+            args.served_model_name or config.model or DEFAULT_MODEL_NAME,
+            args.api_key,
+            chat_template,
+            max_waiting_requests=args.max_waiting_requests,
+        )
+        server = GracefulServer.for_app(app, args.host, args.port, grace_period=args.shutdown_grace_period)
+        server.run()
+    finally:
+        engine.shutdown(timeout=5.0)
+    return 0

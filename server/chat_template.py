@@ -1,0 +1,62 @@
+"""Chat messages to prompt token ids through the model's (or the server's --chat-template) Jinja template."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from jpaged.tokenizer import apply_chat_template
+from server.errors import APIError
+from server.protocol import ChatMessage
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template is a file path or the template itself; a path that does not exist is an error."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"chat_template: {value!r} is neither a readable file nor a Jinja template")
+    return value
+
+
+def _reserved_kwargs(tokenizer) -> set[str]:
+    """Names apply_chat_template takes itself: passing them as template variables would change its behaviour."""
+    return {name for name in inspect.signature(tokenizer.apply_chat_template).parameters if name != "kwargs"}
+
+
+def chat_prompt_ids(
+    tokenizer,
+    messages: list[ChatMessage],
+    *,
+    chat_template: str | None,
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> list[int]:
+    template_kwargs = template_kwargs or {}
+    reserved = sorted(_reserved_kwargs(tokenizer) & template_kwargs.keys())
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+    conversation = [
+        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+        for m in messages
+    ]
+    try:
+        return apply_chat_template(
+            tokenizer,
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **template_kwargs,
+        )
+    except (
+        jinja2.TemplateError
+    ) as err:  # templates raise on conversations they do not accept (role order, ...)
+        raise APIError(400, f"the chat template rejected the messages: {err}", "messages") from None
+    except ValueError as err:  # no chat template at all
+        raise APIError(400, str(err), "messages") from None

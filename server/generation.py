@@ -1,0 +1,105 @@
+"""The engine requests behind one HTTP request: started together, outputs merged, aborted together.
+
+A completions request with several prompts is one engine request per prompt. Their outputs are merged into one
+stream of (prompt index, cumulative output). The stream ends early, aborting every engine request at once so
+their KV blocks are freed, when the client disconnects or the server's shutdown grace period ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from jpaged.async_engine import EngineDeadError
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import SamplingParams
+from server.errors import APIError
+from server.state import ServerState
+
+_DONE = object()
+
+
+@dataclass(slots=True)
+class EngineInput:
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class GenerationStopped(Exception):
+    """The client went away or the server shut down before the outputs finished; the engine requests are aborted."""
+
+    def __init__(self, client_gone: bool) -> None:
+        super().__init__(
+            "the client disconnected" if client_gone else "the server is shutting down; request aborted"
+        )
+        self.client_gone = client_gone
+
+
+async def _client_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def generate_outputs(
+    state: ServerState,
+    request_id: str,
+    inputs: list[EngineInput],
+    http_request: Request,
+    *,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (input index, cumulative output) until every engine request finished.
+
+    Raises GenerationStopped on disconnect or shutdown, APIError(503) if the engine loop died.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, item: EngineInput) -> None:
+        tracker = state.metrics.tracker()
+        try:
+            async for output in state.engine.generate(
+                item.prompt_ids,
+                item.params,
+                f"{request_id}-{index}",
+                priority=priority,
+                cache_salt=cache_salt,
+            ):
+                tracker.observe(output)
+                queue.put_nowait((index, output))
+            queue.put_nowait(_DONE)
+        except Exception as err:  # cancellation (a BaseException) is how the others stop it: not reported
+            queue.put_nowait(err)
+
+    state.in_flight += 1
+    pumps = [asyncio.create_task(pump(i, item)) for i, item in enumerate(inputs)]
+    disconnect = asyncio.create_task(_client_disconnected(http_request))
+    shutdown = asyncio.create_task(state.shutdown.wait())
+    getter: asyncio.Task | None = None
+    try:
+        remaining = len(pumps)
+        while remaining:
+            getter = asyncio.create_task(queue.get())
+            done, _ = await asyncio.wait((getter, disconnect, shutdown), return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                raise GenerationStopped(client_gone=disconnect in done)
+            item = getter.result()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, EngineDeadError):
+                raise APIError(503, f"the engine is not running: {item}")
+            elif isinstance(item, ValueError):  # validated up front; kept so a gap there is still a 400
+                raise APIError(400, str(item))
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        state.in_flight -= 1
+        # Cancelling a pump closes its engine stream, which aborts the request before the next engine step.
+        for task in (*pumps, disconnect, shutdown, getter):
+            if task is not None:
+                task.cancel()

@@ -1,0 +1,56 @@
+"""The engine's per-token logprob dicts in the two OpenAI shapes: legacy completions and chat.
+
+Each engine entry maps token id -> Logprob for the sampled token (with its true rank) and the top-k tokens.
+"""
+
+from __future__ import annotations
+
+from jpaged.outputs import Logprob
+from server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to this too
+
+
+def _value(logprob: Logprob) -> float:
+    return max(logprob.logprob, MIN_LOGPROB)
+
+
+def _token(logprob: Logprob) -> str:
+    return logprob.decoded_token or ""
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob]], text_offset: int
+) -> CompletionLogprobs:
+    """Legacy shape: parallel lists; `text_offset` is where the first of these tokens starts in the choice text."""
+    result = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        sampled = entry[token_id]
+        result.tokens.append(_token(sampled))
+        result.token_logprobs.append(_value(sampled))
+        result.top_logprobs.append({_token(lp): _value(lp) for lp in entry.values()})
+        result.text_offset.append(text_offset)
+        text_offset += len(_token(sampled))
+    return result
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> ChatLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        sampled = entry[token_id]
+        top = sorted(
+            (lp for lp in entry.values() if lp.rank is not None and lp.rank <= num_top),
+            key=lambda lp: lp.rank,
+        )
+        content.append(
+            TokenLogprob(
+                token=_token(sampled),
+                logprob=_value(sampled),
+                bytes=list(_token(sampled).encode()),
+                top_logprobs=[
+                    TopLogprob(token=_token(lp), logprob=_value(lp), bytes=list(_token(lp).encode()))
+                    for lp in top
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)

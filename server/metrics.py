@@ -1,0 +1,129 @@
+"""Prometheus metrics with vLLM's names under a `jpaged:` prefix, in one registry per app.
+
+Engine state (queue sizes, KV usage, token and cache counters) is read from `engine.metrics()` at scrape time by
+a custom collector, so the engine keeps no Prometheus objects; request latencies are observed by the server as
+outputs stream past.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jpaged.async_engine import AsyncLLMEngine
+from jpaged.outputs import RequestOutput
+
+# vLLM's buckets, so dashboards built for vLLM read these unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+_GAUGES = {
+    "num_requests_running": "Requests with sequences in the running batch.",
+    "num_requests_waiting": "Requests waiting (or swapped out) for a place in the batch.",
+    "kv_cache_usage_perc": "Fraction of KV cache blocks in use (1 = full).",
+}
+_COUNTERS = {  # exported name -> (engine.metrics() key, help)
+    "num_preemptions": ("num_preemptions", "Sequences preempted to free KV blocks."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens processed."),
+    "generation_tokens": ("generation_tokens", "Tokens generated."),
+    "num_compilations": (
+        "num_compilations",
+        "Device step shapes compiled (should stop growing after warm-up).",
+    ),
+}
+
+
+class EngineCollector:
+    """Reads the engine's counters and gauges at scrape time."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self._engine = engine
+        self._model_name = model_name
+
+    def collect(self):
+        values = self._engine.metrics()
+        for name, doc in _GAUGES.items():
+            family = GaugeMetricFamily(f"jpaged:{name}", doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(values[name]))
+            yield family
+        for name, (key, doc) in _COUNTERS.items():
+            family = CounterMetricFamily(f"jpaged:{name}", doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(values[key]))
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.request_success = Counter(
+            "jpaged:request_success",
+            "Finished sequences by finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "jpaged:time_to_first_token_seconds",
+            "From arrival to the first generated token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "jpaged:inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            "jpaged:e2e_request_latency_seconds",
+            "From arrival to the last token of a finished request.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Latencies of one engine request, from the engine's own timestamps on each cumulative output."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._num_tokens = 0
+        self._last_token_time: float | None = None
+
+    def observe(self, output: RequestOutput) -> None:
+        num_tokens = max(
+            (len(c.token_ids) for c in output.outputs), default=0
+        )  # parallel samples step together
+        times = output.metrics
+        if num_tokens > self._num_tokens and "last_token_time" in times:
+            new_tokens = num_tokens - self._num_tokens
+            if self._last_token_time is None:
+                self._metrics.time_to_first_token.observe(times["first_token_time"] - times["arrival_time"])
+            else:
+                gap = (times["last_token_time"] - self._last_token_time) / new_tokens
+                for _ in range(new_tokens):
+                    self._metrics.inter_token_latency.observe(gap)
+            self._num_tokens, self._last_token_time = num_tokens, times["last_token_time"]
+        if output.finished:
+            for choice in output.outputs:
+                reason = choice.finish_reason or "abort"
+                self._metrics.request_success.labels(self._metrics.model_name, reason).inc()
+            if "last_token_time" in times:
+                self._metrics.e2e_request_latency.observe(times["last_token_time"] - times["arrival_time"])

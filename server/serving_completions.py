@@ -1,0 +1,165 @@
+"""POST /v1/completions: raw prompts (text or token ids, one or many), whole or streamed."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jpaged.outputs import RequestOutput
+from server.errors import APIError
+from server.generation import EngineInput, GenerationStopped, generate_outputs
+from server.logprobs import completion_logprobs
+from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
+from server.state import ServerState, get_state
+from server.streaming import DONE, SSE_HEADERS, DeltaTracker, sse, sse_error, usage_of
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    """OpenAI's four prompt forms as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty: give a string, a list of strings or token ids", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _engine_inputs(state: ServerState, body: CompletionRequest) -> tuple[list[EngineInput], list[str]]:
+    """Token ids and params of every prompt, validated; and each prompt's text (for echo)."""
+    engine = state.engine.engine
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported yet", "echo")
+    inputs, texts = [], []
+    for prompt in _prompts(body.prompt):
+        if isinstance(prompt, str):
+            ids = engine.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
+            texts.append(prompt)
+        else:
+            ids = list(prompt)
+            texts.append(engine.tokenizer.decode(ids) if body.echo else "")
+        max_tokens = resolve_max_tokens(
+            body.max_tokens,
+            DEFAULT_MAX_TOKENS,
+            len(ids),
+            state.max_model_len,
+            param="max_tokens",
+            prompt_param="prompt",
+        )
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        validate_for_engine(engine, ids, params, "prompt")
+        inputs.append(EngineInput(ids, params))
+    return inputs, texts
+
+
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    state.check_model(body.model)
+    inputs, prompt_texts = _engine_inputs(state, body)
+    state.admit()
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    outputs = generate_outputs(
+        state, request_id, inputs, request, priority=body.priority, cache_salt=body.cache_salt
+    )
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _stream(state, request_id, body, prompt_texts, outputs, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    return await _whole(state, request_id, body, prompt_texts, outputs)
+
+
+async def _whole(
+    state: ServerState,
+    request_id: str,
+    body: CompletionRequest,
+    prompt_texts: list[str],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+) -> Response:
+    finals = {}
+    try:
+        async for index, output in outputs:
+            finals[index] = output
+    except GenerationStopped as stopped:
+        raise APIError(503, str(stopped)) from None
+    choices = []
+    n = body.n or 1
+    for index in sorted(finals):
+        prompt_text = prompt_texts[index] if body.echo else ""
+        for choice in sorted(finals[index].outputs, key=lambda c: c.index):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(choice.token_ids, choice.logprobs or [], 0)
+            choices.append(
+                CompletionChoice(
+                    index=index * n + choice.index,
+                    text=prompt_text + choice.text,
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            )
+    response = CompletionResponse(
+        id=request_id, model=state.model_name, choices=choices, usage=usage_of(finals.values())
+    )
+    return JSONResponse(response.model_dump())
+
+
+async def _stream(
+    state: ServerState,
+    request_id: str,
+    body: CompletionRequest,
+    prompt_texts: list[str],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    tracker = DeltaTracker()
+    n = body.n or 1
+    try:
+        async for index, output in outputs:
+            tracker.last_outputs[index] = output
+            for choice in sorted(output.outputs, key=lambda c: c.index):
+                delta = tracker.delta(index, choice)
+                if delta is None:
+                    continue
+                prefix = prompt_texts[index] if body.echo and delta.first else ""
+                logprobs = None
+                if body.logprobs is not None:
+                    offset = len(choice.text) - len(delta.text)
+                    entries = (choice.logprobs or [])[
+                        delta.first_token : delta.first_token + len(delta.token_ids)
+                    ]
+                    logprobs = completion_logprobs(delta.token_ids, entries, offset)
+                chunk = CompletionResponse(
+                    id=request_id,
+                    model=state.model_name,
+                    choices=[
+                        CompletionChoice(
+                            index=index * n + choice.index,
+                            text=prefix + delta.text,
+                            logprobs=logprobs,
+                            finish_reason=delta.finish_reason,
+                            stop_reason=choice.stop_reason if delta.finish_reason else None,
+                        )
+                    ],
+                )
+                yield sse(chunk)
+        if include_usage:
+            yield sse(
+                CompletionResponse(id=request_id, model=state.model_name, choices=[], usage=tracker.usage())
+            )
+        yield DONE
+    except GenerationStopped as stopped:
+        if not stopped.client_gone:
+            yield sse_error(503, str(stopped))
+            yield DONE
+    except APIError as err:
+        yield sse_error(err.status, err.message)
+        yield DONE
+    finally:
+        await outputs.aclose()

@@ -1,0 +1,64 @@
+"""What every route shares: the engine, the served name, limits, metrics, and the draining flag."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from jpaged.async_engine import AsyncLLMEngine
+from server.errors import APIError
+from server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    model_name: str
+    metrics: ServerMetrics
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_waiting_requests: int = 256
+    draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
+    shutdown: asyncio.Event = field(
+        default_factory=asyncio.Event
+    )  # set when the grace period ends: abort the rest
+    in_flight: int = 0  # generation requests (HTTP) being served
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"the model {model!r} does not exist; this server serves {self.model_name!r}", "model"
+            )
+
+    def admit(self) -> None:
+        """Refuse new generation work while shutting down, after the engine died, or past the waiting cap.
+
+        Requests beyond max_num_seqs wait in the scheduler; the engine counts requests, not sequences, so this
+        bounds the queue to about max_waiting_requests."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica")
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine is not running")
+        capacity = self.engine.engine.config.max_num_seqs + self.max_waiting_requests
+        if self.engine.num_unfinished >= capacity:
+            raise APIError(
+                503,
+                f"the server is overloaded: {self.engine.num_unfinished} requests are running or waiting "
+                f"(limit {capacity}); retry later",
+            )
+
+    def authorized(self, authorization_header: str) -> bool:
+        if self.api_key is None:
+            return True
+        return secrets.compare_digest(authorization_header.encode(), f"Bearer {self.api_key}".encode())
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server

@@ -1,0 +1,68 @@
+"""A real uvicorn server on a free local port in a background thread, for tests and scripts.
+
+Tests talk to it over HTTP like any client (the openai package, httpx), so they exercise the same stack as
+production: uvicorn's protocol, streaming, disconnects, the drain on shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from jpaged.async_engine import AsyncLLMEngine
+from jpaged.config import EngineConfig
+from server.lifecycle import GracefulServer
+
+# Limits small enough that a tiny model serves API tests in milliseconds per step and few step shapes compile.
+SMALL_ENGINE_ARGS = dict(
+    max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_blocks=128, enforce_eager=True
+)
+
+_shared_engines: dict[str, AsyncLLMEngine] = {}
+
+
+def shared_engine(config: EngineConfig) -> AsyncLLMEngine:
+    """One engine per configuration per process, so test modules that share it compile each step shape once."""
+    key = repr(config)
+    if key not in _shared_engines:
+        _shared_engines[key] = AsyncLLMEngine.from_config(config)
+    return _shared_engines[key]
+
+
+@dataclass
+class RunningServer:
+    base_url: str  # http://127.0.0.1:PORT
+    server: GracefulServer
+    app: FastAPI
+
+
+@contextlib.contextmanager
+def serve_in_thread(
+    app: FastAPI, *, grace_period: float = 30.0, start_timeout: float = 30.0
+) -> Iterator[RunningServer]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))  # the port stays ours from here on: no race with other processes
+    port = sock.getsockname()[1]
+    server = GracefulServer.for_app(app, "127.0.0.1", port, grace_period=grace_period, log_level="warning")
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start on port {port}")
+        time.sleep(0.01)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", server, app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

@@ -1,0 +1,57 @@
+"""Randomised traffic: nothing compiles after warm-up, nothing leaks, every request ends exactly once."""
+
+from __future__ import annotations
+
+import random
+
+from jpaged.config import EngineConfig
+from jpaged.engine import LLMEngine
+from jpaged.sampling_params import SamplingParams
+
+
+def test_300_random_requests_compile_nothing_after_warmup_and_free_every_block(tiny_model_dir):
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir("smollm2_tied")),
+            max_model_len=256,
+            max_num_seqs=16,
+            max_num_batched_tokens=64,
+            num_blocks=48,  # tight: preemption happens under this load
+        )
+    )
+    compiled_at_warmup = engine.metrics()["num_compilations"]
+    assert compiled_at_warmup > 0
+    rng = random.Random(1234)
+    finished, aborted, pending = set(), set(), []
+    for i in range(300):
+        pending.append(f"req-{i}")
+    while pending or engine.has_unfinished():
+        for _ in range(rng.randint(0, 4)):  # random arrivals between steps
+            if not pending:
+                break
+            request_id = pending.pop(0)
+            prompt = [rng.randrange(49152) for _ in range(rng.randint(1, 120))]
+            sampled = rng.random() < 0.5
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 40),
+                temperature=0.8 if sampled else 0.0,
+                top_p=0.9 if sampled else 1.0,
+                seed=rng.randrange(1000) if sampled else None,
+            )
+            engine.add_request(request_id, prompt, params)
+        running = list(engine.requests)
+        if running and rng.random() < 0.05:
+            victim = rng.choice(running)
+            engine.abort_request(victim)
+            aborted.add(victim)
+        for output in engine.step():
+            if output.finished:
+                assert output.request_id not in finished
+                finished.add(output.request_id)
+    assert finished | aborted == {f"req-{i}" for i in range(300)}
+    metrics = engine.metrics()
+    assert metrics["num_compilations"] == compiled_at_warmup
+    assert metrics["num_preemptions"] > 0
+    assert metrics["kv_cache_usage_perc"] == 0.0
+    engine.reset_prefix_cache()
+    assert engine.metrics()["num_free_blocks"] == engine.metrics()["num_total_blocks"]

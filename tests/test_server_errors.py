@@ -1,0 +1,179 @@
+"""Bad input, auth, unknown models, overload and a dead engine: each gets its status and OpenAI's error body."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from jpaged.config import EngineConfig
+from server.api_server import build_app
+from server.testing import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
+
+MODEL = "tiny-smollm2"
+API_KEY = "test-secret"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    # No waiting room: the (max_num_seqs + 1)-th concurrent request is refused, which the overload test needs.
+    with serve_in_thread(build_app(engine, MODEL, API_KEY, max_waiting_requests=0)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, *words: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error["message"]
+
+
+COMPLETION_CASES = {
+    "unknown_field": ({"prompt": "x", "frobnicate": 1}, "frobnicate", "frobnicate"),
+    "unsupported_openai_field": ({"prompt": "x", "suffix": "y"}, "suffix", "suffix"),
+    "top_p_out_of_range": ({"prompt": "x", "top_p": 5}, "top_p", "top_p"),
+    "negative_temperature": ({"prompt": "x", "temperature": -1}, "temperature", "temperature"),
+    "zero_samples": ({"prompt": "x", "n": 0}, "n", "n must"),
+    "greedy_with_two_samples": ({"prompt": "x", "n": 2, "temperature": 0}, "n", "greedy"),
+    "zero_max_tokens": ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens"),
+    "too_many_logprobs": ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs"),
+    "prompt_of_wrong_type": ({"prompt": 5}, "prompt", "prompt"),
+    "empty_prompt": ({"prompt": ""}, "prompt", "empty"),
+    "empty_prompt_list": ({"prompt": []}, "prompt", "empty"),
+    "token_id_outside_vocab": ({"prompt": [1, 10**9]}, "prompt", "vocabulary"),
+    "stop_token_outside_vocab": (
+        {"prompt": "x", "stop_token_ids": [10**9]},
+        "stop_token_ids",
+        "stop_token_ids",
+    ),
+    "logit_bias_key_not_an_id": ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "logit_bias"),
+    "logit_bias_outside_vocab": ({"prompt": "x", "logit_bias": {"999999999": 1}}, "logit_bias", "vocabulary"),
+    "beam_search": ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported yet"),
+    "stream_options_without_stream": (
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        "stream_options",
+        "stream",
+    ),
+    "echo_with_logprobs": ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
+    "prompt_longer_than_context": ({"prompt": [1] * 300}, "prompt", "300", "256"),
+    "max_tokens_past_context": ({"prompt": [1] * 200, "max_tokens": 100}, "max_tokens", "200", "256"),
+}
+
+
+@pytest.mark.parametrize("case", COMPLETION_CASES.values(), ids=COMPLETION_CASES.keys())
+def test_bad_completion_request_is_400_naming_the_field(http, case):
+    body, param, *words = case
+    assert_error(http.post("/v1/completions", json=body), 400, param, *words)
+
+
+CHAT_CASES = {
+    "no_messages": ({"messages": []}, "messages", "messages"),
+    "unknown_role": ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "role"),
+    "image_content": (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages.0.content",
+        "content",
+    ),
+    "tools": ({"messages": HI, "tools": []}, "tools", "tools"),
+    "top_logprobs_without_logprobs": ({"messages": HI, "top_logprobs": 2}, "top_logprobs", "logprobs"),
+    "too_many_top_logprobs": ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "21"),
+    "max_completion_tokens_past_context": (
+        {"messages": HI, "max_completion_tokens": 1000},
+        "max_completion_tokens",
+        "256",
+    ),
+    "reserved_template_kwarg": (
+        {"messages": HI, "chat_template_kwargs": {"tokenize": True}},
+        "chat_template_kwargs",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CHAT_CASES.values(), ids=CHAT_CASES.keys())
+def test_bad_chat_request_is_400_naming_the_field(http, case):
+    body, param, *words = case
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param, *words)
+
+
+def test_malformed_json_is_400(http):
+    response = http.post(
+        "/v1/completions", content=b'{"prompt": ', headers={"Content-Type": "application/json"}
+    )
+    assert_error(response, 400, None, "JSON")
+    assert_error(http.post("/v1/completions", json=["not", "an", "object"]), 400)
+
+
+def test_missing_or_wrong_api_key_is_401_but_probes_stay_open(server):
+    body = {"prompt": "x", "max_tokens": 1}
+    assert_error(httpx.post(f"{server.base_url}/v1/completions", json=body), 401)
+    wrong = {"Authorization": "Bearer nope"}
+    assert_error(httpx.post(f"{server.base_url}/v1/completions", json=body, headers=wrong), 401)
+    assert_error(httpx.get(f"{server.base_url}/v1/models"), 401)
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+
+
+def test_unknown_model_is_404(http):
+    assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model", "gpt-9")
+    assert_error(http.post("/tokenize", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
+
+
+def test_unknown_route_is_404_in_the_error_shape(http):
+    assert_error(http.get("/v1/nothing-here"), 404)
+
+
+def test_server_keeps_serving_after_bad_requests(http):
+    for _ in range(3):
+        assert http.post("/v1/completions", json={"prompt": "x", "top_p": 7}).status_code == 400
+    response = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    )
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_past_the_waiting_cap_new_requests_are_503(http, engine):
+    capacity = engine.engine.config.max_num_seqs  # max_waiting_requests=0
+    body = {"prompt": [1], "max_tokens": 250, "ignore_eos": True, "temperature": 0, "stream": True}
+    streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(capacity)]
+    try:
+        # Keep each line iterator referenced: dropping one closes its connection, which aborts the request.
+        lines = [stream.__enter__().iter_lines() for stream in streams]
+        for line_iterator in lines:
+            next(line_iterator)  # admitted and generating
+        assert_error(
+            http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}), 503, None, "overloaded"
+        )
+    finally:
+        for stream in streams:
+            stream.__exit__(None, None, None)
+
+
+class _DeadEngine:
+    """An engine whose loop died: the only state /health and admission look at."""
+
+    def __init__(self, live) -> None:
+        self.engine = live.engine  # tokenizer, limits and validation still work
+        self.error = RuntimeError("device lost")
+        self.is_alive = False
+        self.num_unfinished = 0
+
+
+def test_dead_engine_makes_health_and_generation_503(engine):
+    with serve_in_thread(build_app(_DeadEngine(engine), MODEL)) as dead:
+        assert_error(httpx.get(f"{dead.base_url}/health"), 503, None, "device lost")
+        body = {"prompt": "x", "max_tokens": 1}
+        assert_error(httpx.post(f"{dead.base_url}/v1/completions", json=body), 503, None, "not running")
