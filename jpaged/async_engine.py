@@ -1,7 +1,8 @@
 """AsyncLLMEngine: the engine loop in its own thread, one asyncio stream of outputs per request.
 
-The server's event loop never runs a device step: it adds and aborts requests (under a lock, between steps) and
-awaits outputs that the loop thread hands over with `call_soon_threadsafe`.
+The server's event loop never waits for a device step. Adding a request runs in a worker thread (it waits for the
+engine lock while a step runs, the event loop does not); aborts are queued and applied by the loop thread before
+its next step; outputs come back with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
 from jpaged.config import EngineConfig
@@ -29,6 +31,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._aborts: deque[str] = deque()
         self._stopping = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="jpaged-engine", daemon=True)
@@ -58,14 +61,19 @@ class AsyncLLMEngine:
         """Outputs of one request as it progresses (cumulative), the last one with `finished=True`.
 
         Validation errors raise ValueError before anything is queued. If the consumer stops early (a client
-        disconnect cancels it), the request is aborted and its blocks are freed before the next step.
+        disconnect cancels it), the request is aborted before the engine's next step.
         """
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        loop = asyncio.get_running_loop()
+
+        def add() -> None:
+            with self._lock:
+                self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+                self._streams[request_id] = (loop, queue)
+
+        await asyncio.to_thread(add)
         self._wake.set()
         finished = False
         try:
@@ -80,9 +88,9 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
+        """Abort before the next step; the stream, if still read, gets a last output with finish_reason 'abort'."""
+        self._aborts.append(request_id)
+        self._wake.set()
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
@@ -102,8 +110,12 @@ class AsyncLLMEngine:
         try:
             while True:
                 with self._lock:
+                    outputs = [
+                        o for o in map(self.engine.abort_request, self._drain_aborts()) if o is not None
+                    ]
                     busy = self.engine.has_unfinished()
-                    outputs = self.engine.step() if busy else []
+                    if busy:
+                        outputs += self.engine.step()
                     deliveries = [(self._streams.get(o.request_id), o) for o in outputs]
                     for output in outputs:
                         if output.finished:
@@ -121,3 +133,9 @@ class AsyncLLMEngine:
             self.error = err
             for loop, queue in list(self._streams.values()):
                 loop.call_soon_threadsafe(queue.put_nowait, err)
+
+    def _drain_aborts(self) -> list[str]:
+        ids = []
+        while self._aborts:
+            ids.append(self._aborts.popleft())
+        return ids

@@ -1,0 +1,81 @@
+"""The async front: concurrent streams, validation before queueing, aborts that end the stream and free blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jpaged.async_engine import AsyncLLMEngine
+from jpaged.config import EngineConfig
+from jpaged.engine import LLMEngine
+from jpaged.sampling_params import SamplingParams
+
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    config = EngineConfig(
+        model=str(tiny_model_dir("llama")),
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_blocks=64,
+        enforce_eager=True,
+    )
+    async_engine = AsyncLLMEngine(LLMEngine(config))
+    yield async_engine
+    async_engine.shutdown(timeout=5)
+
+
+async def collect(engine, request_id, prompt, params):
+    return [o async for o in engine.generate(prompt, params, request_id)]
+
+
+def test_concurrent_requests_each_stream_to_their_end(engine):
+    async def main():
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        return await asyncio.gather(*(collect(engine, f"c{i}", [1, 2, 3 + i], params) for i in range(4)))
+
+    for outputs in asyncio.run(main()):
+        assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+        assert len(outputs[-1].outputs[0].token_ids) == 8
+
+
+def test_invalid_prompt_raises_before_anything_is_queued(engine):
+    async def main():
+        await collect(engine, "bad", [1] * 300, LONG)
+
+    with pytest.raises(ValueError, match="max_model_len is 256"):
+        asyncio.run(main())
+    assert engine.num_unfinished == 0
+
+
+def test_abort_from_outside_ends_the_stream_and_frees_blocks(engine):
+    async def main():
+        stream = engine.generate([5, 6, 7], LONG, "victim")
+        first = await anext(stream)
+        engine.abort("victim")
+        rest = [o async for o in stream]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert not first.finished
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert len(rest[-1].outputs[0].token_ids) < 200
+    assert engine.metrics()["kv_cache_usage_perc"] == 0.0
+
+
+def test_a_consumer_that_stops_early_aborts_its_request(engine):
+    async def main():
+        stream = engine.generate([9, 9, 9], LONG, "leaver")
+        await anext(stream)
+        await stream.aclose()  # what a client disconnect does to the server's consumer
+        for _ in range(100):
+            if engine.metrics()["kv_cache_usage_perc"] == 0.0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert asyncio.run(main())
