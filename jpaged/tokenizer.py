@@ -13,25 +13,28 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 def _cache_dir() -> Path:
     root = os.environ.get("JPAGED_CACHE_DIR") or Path.home() / ".cache" / "jpaged"
-    return Path(root) / "tokenizers"
+    return Path(root) / "gguf-tokenizers"
 
 
-def load_tokenizer(path: Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
-    """A transformers tokenizer from an HF/orbax directory, or built from a GGUF file's vocabulary.
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The transformers tokenizer saved in an HF or orbax directory."""
+    return AutoTokenizer.from_pretrained(str(path))
 
-    Building from GGUF takes seconds (transformers converts the BPE merges), so the result is saved once under
-    ~/.cache/jpaged keyed by the file's identity and reloaded from there afterwards.
+
+def load_gguf_tokenizer(gguf_path: Path, fields: dict) -> PreTrainedTokenizerBase:
+    """The tokenizer built from a GGUF file's vocabulary (`fields` from gguf_metadata.read_gguf_fields).
+
+    Building it takes seconds, so the result is saved once under ~/.cache/jpaged, keyed by the file's identity,
+    and reloaded from there afterwards.
     """
-    if gguf_file is None:
-        return AutoTokenizer.from_pretrained(str(path))
-    stat = (path / gguf_file).stat()
-    key = hashlib.sha256(
-        f"{(path / gguf_file).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
-    ).hexdigest()
+    from jpaged.models.gguf_metadata import gguf_tokenizer
+
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     cached = _cache_dir() / key[:24]
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
-    tokenizer = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+    tokenizer = gguf_tokenizer(fields)
     with contextlib.suppress(OSError):  # a read-only home only costs the conversion next time
         tokenizer.save_pretrained(str(cached))
     return tokenizer

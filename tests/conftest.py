@@ -54,9 +54,10 @@ def default_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_gguf):
-    from jpaged.tokenizer import load_tokenizer
+    from jpaged.models.gguf_metadata import read_gguf_fields
+    from jpaged.tokenizer import load_gguf_tokenizer
 
-    return load_tokenizer(default_gguf.parent, gguf_file=default_gguf.name)
+    return load_gguf_tokenizer(default_gguf, read_gguf_fields(default_gguf))
 
 
 @functools.cache

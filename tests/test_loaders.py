@@ -34,6 +34,31 @@ def test_gguf_params_equal_transformers_gguf_loading(default_gguf):
     assert ours.tokenizer.chat_template is not None
 
 
+def test_gguf_config_and_tokenizer_equal_transformers_own(default_gguf, default_tokenizer):
+    import transformers
+
+    from jpaged.models.config import ModelConfig
+
+    hf_config = transformers.AutoConfig.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    assert load_model(str(default_gguf), progress=False).config == ModelConfig.from_hf_config(
+        hf_config.to_dict()
+    )
+    reference = transformers.AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    texts = [
+        "Hello world!",
+        "ประเทศไทยมีจังหวัด",
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n",
+        "def f(x):\n  return 1  # 😀 中文",
+    ]
+    for text in texts:
+        assert default_tokenizer.encode(text) == reference.encode(text)
+        assert default_tokenizer.decode(reference.encode(text)) == reference.decode(reference.encode(text))
+    messages = [{"role": "user", "content": "hi"}]
+    assert default_tokenizer.apply_chat_template(messages, tokenize=False) == reference.apply_chat_template(
+        messages, tokenize=False
+    )
+
+
 def test_sharded_safetensors_load_like_a_single_file(tiny_model_dir, tmp_path, default_tokenizer):
     import transformers
 

@@ -17,9 +17,10 @@ from transformers import PreTrainedTokenizerBase
 from jpaged.default_model import default_model_path
 from jpaged.models.checkpoint import ORBAX_MARKER, restore_checkpoint
 from jpaged.models.config import ModelConfig
+from jpaged.models.gguf_metadata import gguf_model_config, read_gguf_fields
 from jpaged.models.params import param_stats, params_from_hf_names
 from jpaged.models.weights import gguf_reader, read_hf_config, safetensors_reader
-from jpaged.tokenizer import eos_token_ids, load_tokenizer
+from jpaged.tokenizer import eos_token_ids, load_gguf_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +91,10 @@ def load_model(model: str | None = None, dtype=np.float32, *, progress: bool = T
         params = params_from_hf_names(config, safetensors_reader(source.path), dtype, progress=progress)
         tokenizer = load_tokenizer(source.path)
     else:
-        config = _gguf_config(source.path)
+        fields = read_gguf_fields(source.path)
+        config = gguf_model_config(fields)
         params = params_from_hf_names(config, gguf_reader(source.path, config), dtype, progress=progress)
-        tokenizer = load_tokenizer(source.path.parent, gguf_file=source.path.name)
+        tokenizer = load_gguf_tokenizer(source.path, fields)
     config = dataclasses.replace(config, eos_token_ids=eos_token_ids(config.eos_token_ids, tokenizer))
     seconds = time.perf_counter() - start
     count, nbytes = param_stats(params)
@@ -106,13 +108,3 @@ def load_model(model: str | None = None, dtype=np.float32, *, progress: bool = T
         nbytes / 2**20,
     )
     return LoadedModel(config, params, tokenizer, source, seconds)
-
-
-def _gguf_config(path: Path) -> ModelConfig:
-    from transformers import AutoConfig
-
-    try:
-        hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-    except (ValueError, KeyError, OSError) as err:
-        raise ValueError(f"cannot read GGUF model {path}: {err}") from err
-    return ModelConfig.from_hf_config(hf)
