@@ -12,7 +12,7 @@ from conftest import TINY_FAMILIES, hf_logits
 
 from jpaged.models.llama import StepBatch, forward, init_kv_cache
 from jpaged.models.loader import load_model
-from jpaged.pallas import get_attention_fn
+from jpaged.pallas.reference import paged_attention_stacked
 
 BLOCK = 16
 
@@ -24,9 +24,7 @@ class PagedRun:
         self.config, self.params = loaded.config, jax.device_put(loaded.params)
         self.width = max_len // BLOCK
         self.cache = init_kv_cache(self.config, 1 + num_seqs * self.width, BLOCK, jnp.float32)
-        self.fn = jax.jit(
-            functools.partial(forward, config=self.config, attention=get_attention_fn("reference"))
-        )
+        self.fn = jax.jit(functools.partial(forward, config=self.config, attention=paged_attention_stacked))
 
     def step(self, seqs: list[list[int]], starts: list[int], ends: list[int]) -> list[np.ndarray]:
         """Compute tokens [start, end) of each sequence; returns each sequence's logits for those tokens."""

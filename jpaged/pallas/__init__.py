@@ -9,6 +9,7 @@ The model calls the *stacked* form, `fn(q, k_cache, v_cache, layer, ...)` over a
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -16,6 +17,8 @@ import jax
 from jpaged.pallas.reference import paged_attention_stacked, ragged_paged_attention_reference
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -43,9 +46,21 @@ def _pallas_kernel(backend: str) -> Callable:
     return ragged_paged_attention_stacked
 
 
-def get_attention_fn(impl: str = "auto") -> Callable:
-    """The stacked-cache attention callable for `impl` on the current backend."""
+def get_attention_fn(
+    impl: str = "auto", *, num_kv_heads: int, block_size: int, head_dim: int, dtype
+) -> Callable:
+    """The stacked-cache attention callable for `impl` on the current backend and this cache layout."""
     backend = jax.default_backend()
     if resolve_attention_impl(impl, backend) == "reference":
         return paged_attention_stacked
+    if backend == "tpu":
+        from jpaged.pallas.ragged_paged_attention_tpu import check_tpu_layout
+
+        try:
+            check_tpu_layout(num_kv_heads, block_size, head_dim, dtype)
+        except ValueError as err:
+            if impl == "pallas":
+                raise
+            logger.warning("TPU kernel cannot lay out this cache (%s); using the XLA reference", err)
+            return paged_attention_stacked
     return functools.partial(_pallas_kernel(backend), interpret=backend == "cpu")

@@ -8,7 +8,11 @@ Shapes (letters used throughout jpaged):
 It works like the kernels do, so its cost follows the real work rather than the padded shapes: an online softmax
 over chunks of each sequence's own pages, with loop trip counts taken from the data (`kv_lens`), never from
 `max_model_len`. The last query token of every sequence (all of a decode step) is computed for all sequences at
-once; the other tokens of prefill chunks go tile by tile through a loop over sequences.
+once; the other tokens of prefill chunks go tile by tile through a loop over the sequences up to the last
+prefill (the scheduler puts running decodes first, so a decode step runs no iteration of it).
+
+Unlike the kernels, it reads whole pages and masks scores, so slots past a sequence's length must hold finite
+values (the engine's pool is zero-initialised and only ever written with finite K/V).
 """
 
 from __future__ import annotations
@@ -84,50 +88,54 @@ def paged_attention_stacked(
     q_lens = jnp.where(live, query_start[1:] - query_start[:-1], 0)
     kv_lens = jnp.where(live, kv_lens, 0)
 
-    def attend(queries, positions, table, kv_len):
-        """Online softmax of queries [R, Hk, G, D] at `positions` [R] over one sequence's pages."""
-        rows = queries.shape[0]
+    def attend(queries, positions, tables, kv_lens):
+        """Online softmax of queries [S', R, Hk, G, D] at `positions` [S', R] over each row's own pages.
+
+        Batched over sequences with plain einsums (no vmap): XLA CPU turns vmapped loops of tiny dots into slow
+        code, and one batched dot per chunk is what a decode step needs.
+        """
+        seqs, rows = queries.shape[:2]
         queries = queries.astype(jnp.float32) * sm_scale
         chunk_len = pages_per_chunk * block_size
-        num_chunks = (jnp.minimum(jnp.max(positions) + 1, kv_len) + chunk_len - 1) // chunk_len
+        num_chunks = (jnp.minimum(jnp.max(positions) + 1, jnp.max(kv_lens)) + chunk_len - 1) // chunk_len
 
         def body(c, state):
             m, denom, acc = state
-            pages = jax.lax.dynamic_slice_in_dim(table, c * pages_per_chunk, pages_per_chunk)
-            keys = k_cache[layer, pages].reshape(chunk_len, num_kv_heads, head_dim).astype(jnp.float32)
-            values = v_cache[layer, pages].reshape(chunk_len, num_kv_heads, head_dim).astype(jnp.float32)
-            scores = jnp.einsum("rkgd,lkd->rkgl", queries, keys)
+            pages = jax.lax.dynamic_slice_in_dim(tables, c * pages_per_chunk, pages_per_chunk, axis=1)
+            shape = (seqs, chunk_len, num_kv_heads, head_dim)
+            keys = k_cache[layer, pages].reshape(shape).astype(jnp.float32)
+            values = v_cache[layer, pages].reshape(shape).astype(jnp.float32)
+            scores = jnp.einsum("srkgd,slkd->srkgl", queries, keys)
             if logits_soft_cap is not None:
                 scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
             key_pos = c * chunk_len + jnp.arange(chunk_len)
-            mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] < kv_len)
+            in_context = key_pos[None, :] < kv_lens[:, None]  # [S', L]
+            mask = (key_pos[None, None, :] <= positions[:, :, None]) & in_context[:, None, :]
             if sliding_window is not None:
-                mask &= key_pos[None, :] > positions[:, None] - sliding_window
-            mask = mask[:, None, None, :]
+                mask &= key_pos[None, None, :] > positions[:, :, None] - sliding_window
+            mask = mask[:, :, None, None, :]
             scores = jnp.where(mask, scores, _NEG)
-            values = jnp.where((key_pos < kv_len)[:, None, None], values, 0.0)  # unused slots may hold NaN
             m_new = jnp.maximum(m, scores.max(-1))
             p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
             correction = jnp.exp(m - m_new)
             denom = denom * correction + p.sum(-1)
-            acc = acc * correction[..., None] + jnp.einsum("rkgl,lkd->rkgd", p, values)
+            acc = acc * correction[..., None] + jnp.einsum("srkgl,slkd->srkgd", p, values)
             return m_new, denom, acc
 
+        stats = (seqs, rows, num_kv_heads, group)
         init = (
-            jnp.full((rows, num_kv_heads, group), _NEG, jnp.float32),
-            jnp.zeros((rows, num_kv_heads, group), jnp.float32),
-            jnp.zeros((rows, num_kv_heads, group, head_dim), jnp.float32),
+            jnp.full(stats, _NEG, jnp.float32),
+            jnp.zeros(stats, jnp.float32),
+            jnp.zeros((*stats, head_dim)),
         )
         _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
         return acc / jnp.maximum(denom, 1e-30)[..., None]
 
     grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
 
-    # Last token of every sequence: one vectorised pass (the whole of a decode step).
+    # Last token of every sequence: one batched pass (the whole of a decode step).
     last_rows = jnp.clip(query_start[1:] - 1, 0, num_tokens - 1)
-    last_out = jax.vmap(
-        lambda row, table, kv_len: attend(grouped[row][None], (kv_len - 1)[None], table, kv_len)
-    )(last_rows, tables, kv_lens)[:, 0]
+    last_out = attend(grouped[last_rows][:, None], (kv_lens - 1)[:, None], tables, kv_lens)[:, 0]
 
     # Remaining prefill rows, tile by tile, sequence by sequence; the query array is padded by one tile so
     # dynamic slices never clamp.
@@ -142,16 +150,16 @@ def paged_attention_stacked(
             row0 = start + t * _QUERY_TILE
             offsets = t * _QUERY_TILE + jnp.arange(_QUERY_TILE)
             positions = kv_len - q_len + offsets
-            tile = attend(
-                jax.lax.dynamic_slice_in_dim(padded_q, row0, _QUERY_TILE), positions, tables[s], kv_len
-            )
+            queries = jax.lax.dynamic_slice_in_dim(padded_q, row0, _QUERY_TILE)
+            tile = attend(queries[None], positions[None], tables[s][None], kv_len[None])[0]
             keep = (offsets < q_len - 1)[:, None, None, None]
             old = jax.lax.dynamic_slice_in_dim(out, row0, _QUERY_TILE)
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, tile, old), row0, 0)
 
         return jax.lax.fori_loop(0, num_tiles, per_tile, out)
 
-    out = jax.lax.fori_loop(0, num_seqs[0], per_sequence, out)[:num_tokens]
+    num_prefills = jnp.max(jnp.where(q_lens > 1, seq_ids + 1, 0))  # sequences past it are all decodes
+    out = jax.lax.fori_loop(0, num_prefills, per_sequence, out)[:num_tokens]
     last_rows = jnp.where(live & (q_lens > 0), last_rows, num_tokens)  # padding sequences write nowhere
     out = out.at[last_rows].set(last_out, mode="drop")
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

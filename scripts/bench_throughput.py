@@ -1,0 +1,120 @@
+"""Offline throughput: jpaged's continuous batching vs HF transformers' static batching, same weights, same run.
+
+Workloads (seeded random prompt tokens, every request generates exactly its output length, as with ignore_eos):
+  a  fixed:  N prompts x 128 tokens in, 128 tokens out
+  b  mixed:  N prompts x 128 tokens in, output lengths uniform in 16..256
+Static batching runs the whole batch (left padded) until its longest request is done; only each request's own
+output tokens count. Output tokens/s = counted output tokens / wall time of the generation (warm-up excluded).
+
+  python scripts/bench_throughput.py                 # both workloads, jpaged and HF, float32
+  python scripts/bench_throughput.py --skip-hf --workloads b
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def workload(name: str, num_prompts: int, input_len: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    prompts = [list(map(int, rng.integers(100, 49000, input_len))) for _ in range(num_prompts)]
+    if name == "a":
+        return prompts, [128] * num_prompts
+    return prompts, [int(n) for n in rng.integers(16, 257, num_prompts)]
+
+
+def run_jpaged(llm, prompts: list[list[int]], output_lens: list[int]) -> tuple[int, float]:
+    from jpaged import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed
+
+
+def run_hf(model, prompts: list[list[int]], output_lens: list[int]) -> tuple[int, float]:
+    import torch
+
+    ids = torch.tensor(prompts)  # equal lengths: left padding is a no-op here, but the batch is static
+    longest = max(output_lens)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=2,
+        )
+    return sum(output_lens), time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workloads", default="a,b")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from jpaged import LLM
+
+    start = time.perf_counter()
+    llm = LLM(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=512,
+        num_blocks=1 + args.num_prompts * (512 // 16),
+    )
+    warm = llm.metrics()["num_compilations"]
+    print(f"jpaged start-up (load + warm-up of {warm} step shapes): {time.perf_counter() - start:.1f} s")
+    hf = None
+    if not args.skip_hf:
+        import torch
+        import transformers
+
+        from jpaged.default_model import default_model_path
+
+        path = default_model_path()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+    rows = []
+    for name in args.workloads.split(","):
+        prompts, output_lens = workload(name, args.num_prompts, args.input_len, args.seed)
+        tokens, seconds = run_jpaged(llm, prompts, output_lens)
+        row = {"workload": name, "jpaged": tokens / seconds}
+        if hf is not None:
+            hf_tokens, hf_seconds = run_hf(hf, prompts, output_lens)
+            row["hf"] = hf_tokens / hf_seconds
+        rows.append(row)
+
+    print(f"\n{args.num_prompts} prompts x {args.input_len} tokens in, float32, CPU; output tokens/s")
+    print("| workload | jpaged | HF static batching | ratio |")
+    print("|---|---|---|---|")
+    for row in rows:
+        hf_rate = row.get("hf")
+        hf_text = f"{hf_rate:.0f}" if hf_rate else "-"
+        ratio = f"{row['jpaged'] / hf_rate:.2f}x" if hf_rate else "-"
+        label = "a (128 out)" if row["workload"] == "a" else "b (16..256 out)"
+        print(f"| {label} | {row['jpaged']:.0f} | {hf_text} | {ratio} |")
+    print(f"\ncompilations after warm-up: {llm.metrics()['num_compilations'] - warm}")
+    print("command: python scripts/bench_throughput.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

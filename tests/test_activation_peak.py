@@ -1,0 +1,18 @@
+"""Accelerator KV sizing subtracts the step's measured activation peak (XLA's compiled memory analysis)."""
+
+from __future__ import annotations
+
+from jpaged.config import EngineConfig
+from jpaged.model_runner import activation_peak_bytes
+from jpaged.models.loader import load_model
+
+
+def test_activation_peak_is_measured_and_grows_with_the_token_budget(tiny_model_dir):
+    model = load_model(str(tiny_model_dir("llama")), progress=False)
+    small, large = (
+        activation_peak_bytes(
+            EngineConfig(max_num_seqs=8, max_num_batched_tokens=tokens), model.config, model.params, 256
+        )
+        for tokens in (64, 1024)
+    )
+    assert 0 < small < large
