@@ -11,6 +11,7 @@ _EXPORTS = {
     "LLM": "jpaged.llm",
     "generate": "jpaged.llm",
     "LLMEngine": "jpaged.engine",
+    "BeamSearchParams": "jpaged.beam_search",
     "EngineConfig": "jpaged.config",
     "SamplingParams": "jpaged.sampling_params",
     "RequestOutput": "jpaged.outputs",

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
 
+from jpaged.beam_search import BeamSearch, BeamSearchParams
 from jpaged.block_manager import BlockManager
 from jpaged.config import EngineConfig
 from jpaged.kv_cache_sizing import (
@@ -20,10 +23,10 @@ from jpaged.kv_cache_sizing import (
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
-from jpaged.sampler import SamplingRow, logprobs_bucket
+from jpaged.sampler import LOGPROB_BUCKETS, SamplerOutput, SamplingRow, logprobs_bucket
 from jpaged.sampling_params import SamplingParams
-from jpaged.scheduler import Scheduler
-from jpaged.sequence import Request
+from jpaged.scheduler import ScheduledSeq, Scheduler
+from jpaged.sequence import Request, SequenceStatus
 from jpaged.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
@@ -50,8 +53,12 @@ class LLMEngine:
         bytes_per_token = kv_bytes_per_token(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, jax.numpy.dtype(dtype).itemsize
         )
-        device = jax.devices()[0]
-        stats = device.memory_stats() if platform != "cpu" else None
+        stats = jax.devices()[0].memory_stats() if platform != "cpu" else None
+        peak = 0
+        if stats and config.num_blocks is None:
+            from jpaged.model_runner import activation_peak_bytes
+
+            peak = activation_peak_bytes(config, mc, self.model.params, self.max_model_len)
         num_blocks = determine_num_blocks(
             block_size=config.block_size,
             bytes_per_token=bytes_per_token,
@@ -60,6 +67,7 @@ class LLMEngine:
             device_memory=stats.get("bytes_limit") if stats else None,
             gpu_memory_utilization=config.gpu_memory_utilization,
             weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model.params)),
+            activation_peak_bytes=peak,
         )
         check_max_model_len_fits(num_blocks, config.block_size, self.max_model_len)
         logger.info(startup_summary(num_blocks, config.block_size, bytes_per_token, self.max_model_len))
@@ -79,6 +87,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self._next_seq_id = 0
+        self._private_salts = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
         self.warmup_seconds = 0.0 if config.enforce_eager else self.runner.warmup()
 
@@ -88,11 +97,12 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> Request:
+        """Queue a request. BeamSearchParams make it a beam search: its output comes once, when it is done."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -101,9 +111,22 @@ class LLMEngine:
         else:
             text, token_ids = None, [int(t) for t in prompt]
         self.validate_prompt(token_ids)
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam = self.new_beam_search(len(token_ids), params)
+            params = beam.sampling_params()
         params.verify_for_vocab(self.model_config.vocab_size)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
-        request = Request(request_id, text, token_ids, params, seed, time.time(), priority, cache_salt)
+        if params.prompt_logprobs is not None:
+            # Logprobs are needed at every prompt position, so prefix hits from other requests must not skip
+            # any (vLLM turns prefix caching off for such requests): a private salt gives its blocks their own
+            # hashes, and its own hits after a preemption cover only positions it already computed.
+            cache_salt = f"{cache_salt or ''}\0prompt_logprobs:{next(self._private_salts)}"
+        request = Request(
+            request_id, text, token_ids, params, seed, time.time(), priority, cache_salt, beam=beam
+        )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(token_ids)
         seq = self._new_seq(request, list(token_ids), index=0)
         self.outputs.attach(seq)
         self.scheduler.add(seq)
@@ -124,6 +147,23 @@ class LLMEngine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})"
             )
 
+    def new_beam_search(self, num_prompt_tokens: int, params: BeamSearchParams) -> BeamSearch:
+        """A beam search for a prompt of this length, checked against this engine: its beams advance together,
+        so all of them must fit in the block pool at full length at once."""
+        search = BeamSearch.start(
+            params, self.model_config.eos_token_ids, self.max_model_len - num_prompt_tokens
+        )
+        size = self.config.block_size
+        per_beam = -(-(num_prompt_tokens % size + search.max_tokens) // size)  # after the shared full blocks
+        needed = num_prompt_tokens // size + params.beam_width * per_beam
+        if needed > self.blocks.num_total_blocks:
+            raise ValueError(
+                f"beam_width={params.beam_width} beams of {num_prompt_tokens} + {search.max_tokens} tokens may need "
+                f"{needed} KV blocks at once, more than the {self.blocks.num_total_blocks} of the pool: lower "
+                "beam_width or max_tokens"
+            )
+        return search
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now: its blocks are freed at once. Returns its final output (finish_reason 'abort')."""
         request = self.requests.pop(request_id, None)
@@ -133,6 +173,8 @@ class LLMEngine:
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
             self.scheduler.finish(seq)
+        if request.beam is not None:
+            return self.outputs.beam_search_output(request, aborted=True)
         return self.outputs.request_output(request)
 
     def has_unfinished(self) -> bool:
@@ -144,17 +186,20 @@ class LLMEngine:
         """Schedule, run one device step, process its tokens; returns outputs of requests that progressed."""
         plan = self.scheduler.schedule()
         self._run_swaps(plan.swap_out, plan.swap_in)
-        if not plan.scheduled:
+        scheduled = self._keep_beams_in_lockstep(plan.scheduled)
+        if not scheduled:
+            self._copy_blocks(plan.copies)
             return []
         rows, row_seqs = [], []  # scheduled index and sequence of every sampled row
-        for i, scheduled in enumerate(plan.scheduled):
-            if scheduled.samples:
-                seq = scheduled.seq
-                for k in range(seq.fan_out):
+        for i, item in enumerate(scheduled):
+            if item.samples:
+                seq = item.seq
+                for k in range(seq.num_sample_rows):
                     rows.append(i)
                     row_seqs.append((seq, self._sample_seed_for(seq.request, seq.index + k)))
-        tables = [self.blocks.block_table(s.seq.seq_id) for s in plan.scheduled]
-        batch, num_rows = self.runner.prepare(plan.scheduled, tables, rows)
+        tables = [self.blocks.block_table(s.seq.seq_id) for s in scheduled]
+        prompt_seqs = [i for i, item in enumerate(scheduled) if self._computes_prompt_logprobs(item)]
+        batch, num_rows, prompt_targets = self.runner.prepare(scheduled, tables, rows, prompt_seqs)
         sampling_rows = [
             SamplingRow(
                 seq.request.params, seq.request.prompt_token_ids, seq.output_token_ids, seed, self._eos(seq)
@@ -162,31 +207,122 @@ class LLMEngine:
             for seq, seed in row_seqs
         ]
         tensors = self.runner.sampling_tensors(sampling_rows, num_rows)
-        result = self.runner.execute(batch, tensors, plan.copies, logprobs_bucket(sampling_rows))
-        for scheduled in plan.scheduled:
-            seq = scheduled.seq
-            seq.num_computed_tokens += scheduled.num_new_tokens
+        num_prompt_logprobs = None
+        if prompt_seqs:
+            asked = max(scheduled[i].seq.request.params.prompt_logprobs for i in prompt_seqs)
+            num_prompt_logprobs = next(b for b in LOGPROB_BUCKETS if b >= asked)
+        result, prompt_logprobs = self.runner.execute(
+            batch, tensors, plan.copies, logprobs_bucket(sampling_rows), prompt_targets, num_prompt_logprobs
+        )
+        for i in prompt_seqs:
+            item = scheduled[i]
+            start = int(batch.query_start[i])
+            self.outputs.record_prompt_logprobs(
+                item.seq.request, item.seq.num_computed_tokens, item.num_new_tokens, prompt_logprobs, start
+            )
+        for item in scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
             self.blocks.cache_full_blocks(
                 seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt
             )
-        targets = []  # the sequence each row's token goes to; parallel samples fork before any token lands
-        for row, (seq, _) in enumerate(row_seqs):
-            targets.append(self._fork(seq) if row and row_seqs[row - 1][0] is seq else seq)
-        touched: dict[str, Request] = {}
-        for row, seq in enumerate(targets):
-            if seq.index == 0 and not seq.output_token_ids:
-                self.counters["prompt_tokens"] += seq.num_prompt_tokens
-            self.outputs.append_token(seq, result, row)
-            self.counters["generation_tokens"] += 1
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-            touched[seq.request.request_id] = seq.request
+        touched = self._append_samples([seq for seq, _ in row_seqs], result)
         outputs = []
         for request in touched.values():
-            outputs.append(self.outputs.request_output(request))
+            if request.beam is None:
+                outputs.append(self.outputs.request_output(request))
+            elif request.beam.done:  # a beam search reports once, when done
+                outputs.append(self.outputs.beam_search_output(request))
             if request.finished:
                 self.requests.pop(request.request_id, None)
         return outputs
+
+    def _append_samples(self, row_seqs: list[Seq], result: SamplerOutput) -> dict[str, Request]:
+        """Give each sampled row's token to its sequence, or to its beam search; returns the requests touched."""
+        targets = []  # parallel samples fork from the row before theirs, before any token of this step lands
+        for row, seq in enumerate(row_seqs):
+            fork = seq.request.beam is None and row and row_seqs[row - 1] is seq
+            targets.append(self._fork(seq) if fork else seq)
+        touched: dict[str, Request] = {}
+        proposals: dict[Request, dict[Seq, list[tuple[int, float]]]] = defaultdict(dict)
+        for row, seq in enumerate(targets):
+            request = touched[seq.request.request_id] = seq.request
+            if seq.index == 0 and not seq.output_token_ids:
+                self.counters["prompt_tokens"] += seq.num_prompt_tokens
+            self.counters["generation_tokens"] += 1
+            if request.beam is not None:
+                k = request.beam.num_candidates
+                ids, values = result.logprob_token_ids[row, 1 : 1 + k], result.logprobs[row, 1 : 1 + k]
+                proposals[request][seq] = list(zip(ids.tolist(), values.tolist(), strict=True))
+                continue
+            self.outputs.append_token(seq, result, row)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+        for request, by_seq in proposals.items():
+            self._advance_beams(request, [by_seq[seq] for seq in request.seqs])
+        return touched
+
+    def _advance_beams(self, request: Request, proposals: list[list[tuple[int, float]]]) -> None:
+        """Apply one beam search decision: a beam chosen k times forks k - 1 times (sharing its blocks, copy on
+        write), each new beam appends its token, and beams nobody continues are freed at once."""
+        parents = request.beam.step(proposals)
+        old, continued = list(request.seqs), set()
+        beams = []
+        for parent in parents:  # every fork is taken before any token lands
+            beams.append(self._fork(old[parent]) if parent in continued else old[parent])
+            continued.add(parent)
+        for seq, beam in zip(beams, request.beam.beams, strict=True):
+            seq.token_ids.append(beam.token_ids[-1])
+        for index, seq in enumerate(old):
+            if index not in continued:
+                self.scheduler.finish(seq)
+        request.seqs = beams
+        now = time.time()
+        request.first_token_time = request.first_token_time or now
+        request.last_token_time = now
+
+    def _keep_beams_in_lockstep(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The beams of a request are chosen together, so a beam samples only in a step where all its live
+        siblings sample. A split step holds the sampling ones back; when a sibling is out of the running set
+        (preempted), the running ones go back to waiting too, so the blocks they hold can bring it back
+        (their full blocks stay cached, so the recompute is short)."""
+        sampling: dict[Request, list[ScheduledSeq]] = defaultdict(list)
+        for item in scheduled:
+            if item.samples and item.seq.request.beam is not None:
+                sampling[item.seq.request].append(item)
+        dropped: set[int] = set()
+        for request, items in sampling.items():
+            if len(items) == len(request.seqs):
+                continue
+            dropped.update(item.seq.seq_id for item in items)
+            if any(seq.status is not SequenceStatus.RUNNING for seq in request.seqs):
+                for seq in request.seqs:
+                    if seq.status is SequenceStatus.RUNNING:
+                        self._requeue(seq)
+                        dropped.add(seq.seq_id)
+        return [item for item in scheduled if item.seq.seq_id not in dropped]
+
+    def _requeue(self, seq: Seq) -> None:
+        """Recompute-preempt a running sequence: free its blocks and queue it as waiting."""
+        self.scheduler.finish(seq)
+        seq.num_computed_tokens = 0
+        seq.prefix_matched = False
+        self.scheduler.add(seq)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write copies of a step that ended up running nothing: they cannot wait for the next one."""
+        if copies:
+            k, v = self.runner.read_blocks([src for src, _ in copies])
+            self.runner.write_blocks([dst for _, dst in copies], k, v)
+
+    @staticmethod
+    def _computes_prompt_logprobs(item: ScheduledSeq) -> bool:
+        seq = item.seq
+        return (
+            seq.request.prompt_logprobs is not None
+            and seq.index == 0
+            and seq.num_computed_tokens < seq.num_prompt_tokens - 1
+        )
 
     def _run_swaps(self, swap_out, swap_in) -> None:
         """Host<->device block transfers, every read before any write (the block manager's contract)."""

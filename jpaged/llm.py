@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from jpaged.beam_search import BeamSearchParams
 from jpaged.config import EngineConfig
 from jpaged.engine import LLMEngine
 from jpaged.outputs import RequestOutput
@@ -42,16 +43,24 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(f"offline-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p)
-            return self._run(ids, use_tqdm)
-        except BaseException:
-            for request_id in ids:  # a bad prompt or an interrupt must not leave requests holding blocks
-                self.engine.abort_request(request_id)
-            raise
+        return self._add_and_run(prompts, params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        ignore_eos: bool = False,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Per prompt, its beam_width best beams, best first, as the outputs (token ids with the EOS if one ended
+        it, text, cumulative logprob) of one RequestOutput. Scored as transformers' beam search with
+        `length_penalty` and early_stopping=False; the beams share their prompt's KV blocks."""
+        params = BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos)
+        prompts = _as_prompt_list(prompts)
+        return self._add_and_run(prompts, [params] * len(prompts), use_tqdm)
 
     def chat(
         self,
@@ -79,6 +88,23 @@ class LLM:
 
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()
+
+    def _add_and_run(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams] | list[BeamSearchParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(f"offline-{next(self._ids)}")
+                self.engine.add_request(ids[-1], prompt, p)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for request_id in ids:  # a bad prompt or an interrupt must not leave requests holding blocks
+                self.engine.abort_request(request_id)
+            raise
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -22,7 +22,14 @@ from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import KVCache, StepBatch, forward, init_kv_cache
 from jpaged.pallas import get_attention_fn
-from jpaged.sampler import SamplerOutput, SamplingRow, SamplingTensors, build_sampling_tensors, sample
+from jpaged.sampler import (
+    SamplerOutput,
+    SamplingRow,
+    SamplingTensors,
+    build_sampling_tensors,
+    gather_logprobs,
+    sample,
+)
 from jpaged.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
@@ -47,14 +54,33 @@ def _bucket(buckets: Sequence[int], size: int) -> int:
     raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(params, kv_cache, batch, sampling, copies, *, config, attention, num_logprobs):
-    """Copy-on-write block copies, the model, then sampling: one device program."""
+def _step(
+    params,
+    kv_cache,
+    batch,
+    sampling,
+    copies,
+    prompt_targets,
+    *,
+    config,
+    attention,
+    num_logprobs,
+    num_prompt_logprobs,
+):
+    """Copy-on-write block copies, the model, then sampling: one device program.
+
+    With `prompt_targets` [T] (the prompt-logprobs variant), the batch asks for the logits of every token after
+    the S sampled rows, and the logprobs of each token's next prompt token come back too."""
     src, dst = copies[:, 0], copies[:, 1]
     kv_cache = KVCache(
         kv_cache.k.at[:, dst].set(kv_cache.k[:, src]), kv_cache.v.at[:, dst].set(kv_cache.v[:, src])
     )
     logits, kv_cache = forward(params, kv_cache, batch, config=config, attention=attention)
-    return kv_cache, sample(logits, sampling, num_logprobs=num_logprobs)
+    num_rows = sampling.temperature.shape[0]
+    sampled = sample(logits[:num_rows], sampling, num_logprobs=num_logprobs)
+    if prompt_targets is None:
+        return kv_cache, sampled, None
+    return kv_cache, sampled, gather_logprobs(logits[num_rows:], prompt_targets, num_prompt_logprobs)
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -85,10 +111,15 @@ class ModelRunner:
         self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.dtype)
         self.token_buckets = power_of_two_buckets(MIN_TOKEN_BUCKET, config.max_num_batched_tokens)
         self.seq_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, config.max_num_seqs)
-        step = functools.partial(
-            _step, config=model_config, attention=get_attention_fn(config.attention_impl)
+        attention = get_attention_fn(
+            config.attention_impl,
+            num_kv_heads=model_config.num_kv_heads,
+            block_size=config.block_size,
+            head_dim=model_config.head_dim,
+            dtype=self.dtype,
         )
-        self._step = jax.jit(step, static_argnames="num_logprobs", donate_argnums=1)
+        step = functools.partial(_step, config=model_config, attention=attention)
+        self._step = jax.jit(step, static_argnames=("num_logprobs", "num_prompt_logprobs"), donate_argnums=1)
         self._compiled: dict = {}
         self.num_compilations = 0
         self.warmed_up = False
@@ -101,8 +132,13 @@ class ModelRunner:
         scheduled: Sequence[ScheduledSeq],
         block_tables: Sequence[Sequence[int]],
         sample_rows: Sequence[int],
-    ) -> tuple[StepBatch, int]:
-        """Flat padded arrays for the scheduled sequences; `sample_rows[i]` is the scheduled index of sampled row i."""
+        prompt_logprob_seqs: Sequence[int] = (),
+    ) -> tuple[StepBatch, int, np.ndarray | None]:
+        """Flat padded arrays for the scheduled sequences; `sample_rows[i]` is the scheduled index of sampled row i.
+
+        `prompt_logprob_seqs` (scheduled indices) want prompt logprobs: then the batch asks for every token's
+        logits too, and the third result [T] holds each of their tokens' next prompt token (the target of its
+        logprob), else None."""
         num_seqs = len(scheduled)
         num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, num_seqs)
         computed = np.fromiter((s.seq.num_computed_tokens for s in scheduled), np.int32, num_seqs)
@@ -132,6 +168,16 @@ class ModelRunner:
         kv_lens[:num_seqs] = computed + num_new
         logits_indices = np.zeros(s_bucket, np.int32)
         logits_indices[: len(sample_rows)] = query_start[np.asarray(sample_rows, np.int32) + 1] - 1
+        prompt_targets = None
+        if prompt_logprob_seqs:
+            logits_indices = np.concatenate([logits_indices, np.arange(t_bucket, dtype=np.int32)])
+            prompt_targets = np.zeros(t_bucket, np.int32)
+            for i in prompt_logprob_seqs:
+                seq, start, first = scheduled[i].seq, query_start[i], computed[i]
+                prompt = seq.request.prompt_token_ids
+                # Tokens at positions first .. len(prompt) - 2 have a next prompt token; the last one has none.
+                count = max(0, min(int(num_new[i]), len(prompt) - 1 - first))
+                prompt_targets[start : start + count] = prompt[first + 1 : first + 1 + count]
         batch = StepBatch(
             token_ids,
             positions,
@@ -142,7 +188,7 @@ class ModelRunner:
             np.array([num_seqs], np.int32),
             logits_indices,
         )
-        return batch, s_bucket
+        return batch, s_bucket, prompt_targets
 
     def sampling_tensors(self, rows: Sequence[SamplingRow], num_rows: int) -> SamplingTensors:
         """Per-row sampling arrays; sampled batches always carry top-k/top-p so greedy and sampled are the
@@ -162,29 +208,38 @@ class ModelRunner:
         sampling: SamplingTensors,
         copies: Sequence[tuple[int, int]],
         num_logprobs: int | None,
-    ) -> SamplerOutput:
+        prompt_targets: np.ndarray | None = None,
+        num_prompt_logprobs: int | None = None,
+    ) -> tuple[SamplerOutput, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """Sampled rows, and with `prompt_targets` (from `prepare`) the prompt logprobs of every token:
+        values and ids [T, 1 + K] (the target, then the top `num_prompt_logprobs`) and the target's rank [T]."""
         s_bucket = batch.kv_lens.shape[0]
         copy_array = np.zeros((s_bucket, 2), np.int32)
         if copies:
             copy_array[: len(copies)] = copies
-        args = (self.params, self.kv_cache, batch, sampling, copy_array)
-        compiled = self._compiled_for(args, num_logprobs)
-        self.kv_cache, out = compiled(*args)
-        return jax.tree_util.tree_map(np.asarray, out)
+        args = (self.params, self.kv_cache, batch, sampling, copy_array, prompt_targets)
+        compiled = self._compiled_for(args, num_logprobs, num_prompt_logprobs)
+        self.kv_cache, out, prompt = compiled(*args)
+        return jax.tree_util.tree_map(np.asarray, out), jax.tree_util.tree_map(np.asarray, prompt)
 
-    def _compiled_for(self, args, num_logprobs):
+    def _compiled_for(self, args, num_logprobs, num_prompt_logprobs=None):
         key = (
             jax.tree_util.tree_structure(args),
             tuple(np.shape(x) for x in jax.tree_util.tree_leaves(args[2:])),
         )
-        key = (key, num_logprobs)
+        key = (key, num_logprobs, num_prompt_logprobs)
         compiled = self._compiled.get(key)
         if compiled is None:
             if self.warmed_up:
                 logger.warning(
-                    "compiling a new step shape after warm-up: %s, logprobs=%s", key[0][1], num_logprobs
+                    "compiling a new step shape after warm-up: %s, logprobs=%s, prompt logprobs=%s",
+                    key[0][1],
+                    num_logprobs,
+                    num_prompt_logprobs,
                 )
-            compiled = self._step.lower(*args, num_logprobs=num_logprobs).compile()
+            compiled = self._step.lower(
+                *args, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs
+            ).compile()
             self._compiled[key] = compiled
             self.num_compilations += 1
         return compiled
@@ -198,7 +253,7 @@ class ModelRunner:
         for t, s in tqdm(pairs, desc="warm-up (compiling buckets)", disable=not progress):
             batch = _dummy_batch(t, s, self.max_blocks_per_seq)
             for tensors in (self.sampling_tensors([], s), _sampled_dummy(self, s)):
-                args = (self.params, self.kv_cache, batch, tensors, np.zeros((s, 2), np.int32))
+                args = (self.params, self.kv_cache, batch, tensors, np.zeros((s, 2), np.int32), None)
                 self._compiled_for(args, None)
         self.warmed_up = True
         seconds = time.perf_counter() - start
@@ -213,6 +268,43 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
         self.kv_cache = self._move_blocks(self.kv_cache, np.asarray(block_ids, np.int32), k, v)
+
+
+def activation_peak_bytes(
+    config: EngineConfig, model_config: ModelConfig, params: dict, max_model_len: int
+) -> int:
+    """Scratch memory XLA needs for the largest step bucket, read from its compiled memory analysis.
+
+    Sizing the KV pool on an accelerator subtracts this, so the pool never squeezes out the step's activations.
+    Everything is abstract (ShapeDtypeStructs): nothing is allocated to measure it.
+    """
+    dtype = jnp.dtype(params["embed"].dtype)
+    abstract = functools.partial(jax.tree_util.tree_map, lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype))
+    cache_shape = (
+        model_config.num_layers,
+        2,
+        config.block_size,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+    )
+    cache = KVCache(*(jax.ShapeDtypeStruct(cache_shape, dtype) for _ in range(2)))
+    tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
+    batch = _dummy_batch(tokens, seqs, -(-max_model_len // config.block_size))
+    sampling = build_sampling_tensors([], seqs, model_config.vocab_size)
+    attention = get_attention_fn(
+        config.attention_impl,
+        num_kv_heads=model_config.num_kv_heads,
+        block_size=config.block_size,
+        head_dim=model_config.head_dim,
+        dtype=dtype,
+    )
+    step = functools.partial(
+        _step, config=model_config, attention=attention, num_logprobs=None, num_prompt_logprobs=None
+    )
+    copies = np.zeros((seqs, 2), np.int32)
+    compiled = jax.jit(step).lower(abstract(params), cache, batch, sampling, copies, None).compile()
+    analysis = compiled.memory_analysis()
+    return int(analysis.temp_size_in_bytes) if analysis is not None else 0
 
 
 def _scatter_blocks(kv_cache: KVCache, ids, k, v) -> KVCache:

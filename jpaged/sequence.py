@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from jpaged.beam_search import BeamSearch
+from jpaged.outputs import Logprob
 from jpaged.sampling_params import SamplingParams
 
 
@@ -32,6 +34,9 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_cached_tokens: int = 0
+    beam: BeamSearch | None = None  # set for a beam search; its live beams are `seqs`, in the search's order
+    # With prompt_logprobs: None for the first prompt token, then one dict per prompt token once computed.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -74,11 +79,17 @@ class Sequence:
 
     @property
     def fan_out(self) -> int:
-        """Rows this sequence samples next: n for a request's first token (its samples fork there), else 1.
-
-        It is also the number of sequence slots it holds against max_num_seqs."""
+        """Sequence slots it holds against max_num_seqs: until a request's first token, all the sequences it
+        will fork into there (n samples, or beam_width beams); else 1."""
         first = self.index == 0 and len(self.request.seqs) == 1 and self.num_tokens == self.num_prompt_tokens
-        return self.request.params.n if first else 1
+        if not first:
+            return 1
+        return self.request.params.n if self.request.beam is None else self.request.beam.params.beam_width
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows it samples next: its fan_out, except a beam, which proposes its top-K tokens from one row."""
+        return self.fan_out if self.request.beam is None else 1
 
     @property
     def priority_key(self) -> tuple[int, int]:

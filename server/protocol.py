@@ -57,6 +57,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = None
     add_special_tokens: bool = True  # vLLM's default for raw prompts (a chat template writes its own BOS)
+    length_penalty: float = 1.0  # beam search only: scores are cumulative_logprob / length ** length_penalty
 
 
 class TextContentPart(RequestModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from jpaged.beam_search import BeamSearchParams
 from jpaged.engine import LLMEngine
 from jpaged.sampling_params import SamplingParams
 from server.errors import APIError, bad_request
@@ -50,7 +51,7 @@ def resolve_max_tokens(
 def sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """SamplingParams for one prompt of `request`; ValueErrors become 400s naming the field."""
     if request.use_beam_search:
-        raise APIError(400, "use_beam_search is not supported yet", "use_beam_search")
+        raise APIError(400, "use_beam_search is supported on /v1/completions only", "use_beam_search")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     given = {
@@ -82,13 +83,23 @@ def sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: int 
 
 
 def validate_for_engine(
-    engine: LLMEngine, prompt_ids: Sequence[int], params: SamplingParams, prompt_param: str
+    engine: LLMEngine,
+    prompt_ids: Sequence[int],
+    params: SamplingParams | BeamSearchParams,
+    prompt_param: str,
 ) -> None:
-    """The engine's own checks (token ids in the vocabulary), run before anything is queued."""
+    """The engine's own checks (token ids in the vocabulary, a beam width its EOS ids and block pool allow), run
+    before anything is queued."""
     try:
         engine.validate_prompt(prompt_ids)
     except ValueError as err:
         raise APIError(400, str(err), prompt_param) from None
+    if isinstance(params, BeamSearchParams):
+        try:
+            engine.new_beam_search(len(prompt_ids), params)
+        except ValueError as err:
+            raise APIError(400, f"n (the beam width): {err}", "n") from None
+        return
     try:
         params.verify_for_vocab(engine.model_config.vocab_size)
     except ValueError as err:

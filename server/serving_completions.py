@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jpaged.beam_search import BeamSearchParams
 from jpaged.outputs import RequestOutput
 from server.errors import APIError
 from server.generation import EngineInput, GenerationStopped, generate_outputs
@@ -52,10 +53,50 @@ def _engine_inputs(state: ServerState, body: CompletionRequest) -> tuple[list[En
             param="max_tokens",
             prompt_param="prompt",
         )
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        if body.use_beam_search:
+            params = _beam_search_params(body, max_tokens)
+        else:
+            params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
         validate_for_engine(engine, ids, params, "prompt")
         inputs.append(EngineInput(ids, params))
     return inputs, texts
+
+
+# Sampling fields a beam search would ignore: refused, not silently dropped.
+_NOT_WITH_BEAM_SEARCH = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "logprobs",
+)
+
+
+def _beam_search_params(body: CompletionRequest, max_tokens: int) -> BeamSearchParams:
+    """vLLM's semantics: `n` is the beam width and every beam comes back as a choice, best first."""
+    for name in _NOT_WITH_BEAM_SEARCH:
+        if getattr(body, name) is not None:
+            raise APIError(400, f"{name} cannot be combined with use_beam_search", name)
+    if body.temperature not in (None, 0):
+        raise APIError(
+            400, "temperature must be 0 with use_beam_search (the search is deterministic)", "temperature"
+        )
+    if body.min_tokens:
+        raise APIError(400, "min_tokens cannot be combined with use_beam_search", "min_tokens")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    try:
+        return BeamSearchParams(body.n or 1, max_tokens, body.length_penalty, body.ignore_eos)
+    except ValueError as err:
+        field = str(err).split(" ", 1)[0]
+        if field == "beam_width":
+            raise APIError(400, f"n (the beam width): {err}", "n") from None
+        raise APIError(400, str(err), field) from None
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:

@@ -1,0 +1,115 @@
+"""Sampling at the engine level: n samples share their prompt's blocks, seeds reproduce whatever the batch,
+temperature 0 is greedy, and streamed Thai text never shows a broken character."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import hf_logits
+
+from jpaged.config import EngineConfig
+from jpaged.detokenizer import REPLACEMENT_CHAR
+from jpaged.engine import LLMEngine
+from jpaged.models.loader import load_model
+from jpaged.sampling_params import SamplingParams
+
+LONG_PROMPT = [(5 * i * i + 17 * i + 3) % 49152 for i in range(100)]  # 6 full blocks and 4 tokens of a 7th
+ARGS = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, num_blocks=96, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dir):
+    return load_model(str(model_dir), progress=False)
+
+
+def make(model, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(**{**ARGS, **overrides}), model=model)
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    done = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    return done
+
+
+def used_blocks(engine: LLMEngine) -> int:
+    return engine.blocks.num_total_blocks - engine.blocks.num_free_blocks
+
+
+def test_four_samples_allocate_the_prompt_blocks_once_and_differ(tiny):
+    one, four = make(tiny), make(tiny)
+    one.add_request("a", LONG_PROMPT, SamplingParams(n=1, max_tokens=8, seed=0, ignore_eos=True))
+    four.add_request("a", LONG_PROMPT, SamplingParams(n=4, max_tokens=8, seed=0, ignore_eos=True))
+    one.step(), four.step()  # the whole prompt, then the first token of each sample
+    assert len(four.requests["a"].seqs) == 4
+    assert used_blocks(four) == used_blocks(one) == 7  # four samples, one copy of the prompt
+    one.step(), four.step()
+    # Writing their second token, three samples copy the shared partial block; the last one owns it then.
+    assert used_blocks(four) == used_blocks(one) + 3
+    outputs = run(four, {})["a"].outputs
+    assert len({tuple(o.token_ids) for o in outputs}) == 4
+    assert four.blocks.num_free_blocks == four.blocks.num_total_blocks  # cached blocks count as free
+
+
+def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(tiny):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = run(make(tiny), {"x": (LONG_PROMPT[:30], params)})["x"].outputs[0].token_ids
+    neighbours = {
+        f"n{i}": (LONG_PROMPT[i : 20 + 13 * i], SamplingParams(max_tokens=5 + i, seed=i, ignore_eos=True))
+        for i in range(5)
+    }
+    busy = make(tiny, max_num_batched_tokens=32)  # the prompt is chunked and shares steps with the others
+    batched = run(busy, {**neighbours, "x": (LONG_PROMPT[:30], params)})["x"].outputs[0].token_ids
+    assert batched == alone
+
+
+def test_different_seeds_give_different_samples(tiny):
+    engine = make(tiny)
+    params = [SamplingParams(max_tokens=8, seed=seed, ignore_eos=True) for seed in (1, 2)]
+    outputs = run(engine, {str(i): (LONG_PROMPT[:30], p) for i, p in enumerate(params)})
+    assert outputs["0"].outputs[0].token_ids != outputs["1"].outputs[0].token_ids
+
+
+def test_temperature_zero_is_greedy(tiny, model_dir):
+    engine = make(tiny)
+    prompt = LONG_PROMPT[:30]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    only_the_best = SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=5, ignore_eos=True)
+    outputs = run(engine, {"greedy": (prompt, greedy), "top1": (prompt, only_the_best)})
+    tokens = outputs["greedy"].outputs[0].token_ids
+    assert outputs["top1"].outputs[0].token_ids == tokens  # the sampling path restricted to the argmax
+    for step, token in enumerate(tokens):  # and transformers' argmax, step by step
+        logits = hf_logits(model_dir, prompt + tokens[:step])[-1]
+        best, second = np.sort(logits)[::-1][:2]
+        assert token == int(np.argmax(logits)) or best - second < 1e-4
+
+
+def test_streamed_thai_text_never_breaks_a_character():
+    engine = LLMEngine(
+        EngineConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, num_blocks=32, enforce_eager=True
+        )
+    )
+    engine.add_request("thai", "ประเทศไทยมีจังหวัดทั้งหมด", SamplingParams(temperature=0.0, max_tokens=24))
+    deltas, seen, held_back = [], "", 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            text, num_tokens = output.outputs[0].text, len(output.outputs[0].token_ids)
+            assert REPLACEMENT_CHAR not in text
+            assert text.startswith(seen)  # cumulative: earlier text is never revised
+            deltas.append(text[len(seen) :])
+            held_back += num_tokens > 0 and not deltas[-1] and not output.finished
+            seen = text
+    assert "".join(deltas) == output.outputs[0].text
+    assert any("\u0e00" <= ch <= "\u0e7f" for ch in output.outputs[0].text)  # Thai came out
+    assert held_back > 0  # some tokens ended inside a character, and the stream waited for the rest
