@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -223,11 +225,7 @@ class ModelRunner:
         return jax.tree_util.tree_map(np.asarray, out), jax.tree_util.tree_map(np.asarray, prompt)
 
     def _compiled_for(self, args, num_logprobs, num_prompt_logprobs=None):
-        key = (
-            jax.tree_util.tree_structure(args),
-            tuple(np.shape(x) for x in jax.tree_util.tree_leaves(args[2:])),
-        )
-        key = (key, num_logprobs, num_prompt_logprobs)
+        key = self._key(args, num_logprobs, num_prompt_logprobs)
         compiled = self._compiled.get(key)
         if compiled is None:
             if self.warmed_up:
@@ -237,24 +235,42 @@ class ModelRunner:
                     num_logprobs,
                     num_prompt_logprobs,
                 )
-            compiled = self._step.lower(
-                *args, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs
-            ).compile()
-            self._compiled[key] = compiled
+            compiled = self._compiled[key] = self._compile(args, num_logprobs, num_prompt_logprobs)
             self.num_compilations += 1
         return compiled
 
+    @staticmethod
+    def _key(args, num_logprobs, num_prompt_logprobs) -> tuple:
+        shapes = tuple((np.shape(x), np.result_type(x)) for x in jax.tree_util.tree_leaves(args[2:]))
+        return (jax.tree_util.tree_structure(args), shapes), num_logprobs, num_prompt_logprobs
+
+    def _compile(self, args, num_logprobs, num_prompt_logprobs):
+        lowered = self._step.lower(*args, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs)
+        return lowered.compile()
+
     def warmup(self, progress: bool = True) -> float:
-        """Compile every (T, S) bucket pair that can occur, greedy and sampled; returns seconds taken."""
+        """Compile every (T, S) bucket pair that can occur, greedy and sampled, one compile per core at a time
+        (XLA compiles outside the GIL); returns the seconds taken."""
         start = time.perf_counter()
         pairs = [
             (t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t or s == self.seq_buckets[0]
         ]
-        for t, s in tqdm(pairs, desc="warm-up (compiling buckets)", disable=not progress):
+        jobs = []
+        for t, s in pairs:
             batch = _dummy_batch(t, s, self.max_blocks_per_seq)
             for tensors in (self.sampling_tensors([], s), _sampled_dummy(self, s)):
-                args = (self.params, self.kv_cache, batch, tensors, np.zeros((s, 2), np.int32), None)
-                self._compiled_for(args, None)
+                jobs.append((self.params, self.kv_cache, batch, tensors, np.zeros((s, 2), np.int32), None))
+        with (
+            ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
+            tqdm(total=len(jobs), desc="warm-up (compiling step shapes)", disable=not progress) as bar,
+        ):
+            futures = {
+                self._key(args, None, None): pool.submit(self._compile, args, None, None) for args in jobs
+            }
+            for key, future in futures.items():
+                self._compiled[key] = future.result()
+                self.num_compilations += 1
+                bar.update(1)
         self.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info("warm-up compiled %d step shapes in %.1f s", self.num_compilations, seconds)
