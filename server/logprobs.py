@@ -34,6 +34,32 @@ def completion_logprobs(
     return result
 
 
+def echoed_prompt_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob] | None], tokens: list[str]
+) -> CompletionLogprobs:
+    """The prompt's part of `echo` with `logprobs`: the first token has no logprob (nothing precedes it)."""
+    result = CompletionLogprobs()
+    offset = 0
+    for token_id, entry, text in zip(token_ids, entries, tokens, strict=True):
+        result.tokens.append(text)
+        result.text_offset.append(offset)
+        result.token_logprobs.append(None if entry is None else _value(entry[token_id]))
+        result.top_logprobs.append(
+            None if entry is None else {_token(lp): _value(lp) for lp in entry.values()}
+        )
+        offset += len(text)
+    return result
+
+
+def join_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        text_offset=first.text_offset + second.text_offset,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        tokens=first.tokens + second.tokens,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+    )
+
+
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -12,7 +13,7 @@ from jpaged.beam_search import BeamSearchParams
 from jpaged.outputs import RequestOutput
 from server.errors import APIError
 from server.generation import EngineInput, GenerationStopped, generate_outputs
-from server.logprobs import completion_logprobs
+from server.logprobs import completion_logprobs, echoed_prompt_logprobs, join_logprobs
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
 from server.state import ServerState, get_state
@@ -35,8 +36,6 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 def _engine_inputs(state: ServerState, body: CompletionRequest) -> tuple[list[EngineInput], list[str]]:
     """Token ids and params of every prompt, validated; and each prompt's text (for echo)."""
     engine = state.engine.engine
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported yet", "echo")
     inputs, texts = [], []
     for prompt in _prompts(body.prompt):
         if isinstance(prompt, str):
@@ -57,6 +56,8 @@ def _engine_inputs(state: ServerState, body: CompletionRequest) -> tuple[list[En
             params = _beam_search_params(body, max_tokens)
         else:
             params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+            if body.echo and body.logprobs is not None:  # the echoed prompt carries its logprobs too
+                params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         validate_for_engine(engine, ids, params, "prompt")
         inputs.append(EngineInput(ids, params))
     return inputs, texts
@@ -135,7 +136,9 @@ async def _whole(
         for choice in sorted(finals[index].outputs, key=lambda c: c.index):
             logprobs = None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(choice.token_ids, choice.logprobs or [], 0)
+                logprobs = completion_logprobs(choice.token_ids, choice.logprobs or [], len(prompt_text))
+                if body.echo:
+                    logprobs = join_logprobs(_prompt_logprobs(state, finals[index]), logprobs)
             choices.append(
                 CompletionChoice(
                     index=index * n + choice.index,
@@ -175,7 +178,10 @@ async def _stream(
                     entries = (choice.logprobs or [])[
                         delta.first_token : delta.first_token + len(delta.token_ids)
                     ]
-                    logprobs = completion_logprobs(delta.token_ids, entries, offset)
+                    shift = len(prompt_texts[index]) if body.echo else 0  # offsets count the echoed prompt
+                    logprobs = completion_logprobs(delta.token_ids, entries, shift + offset)
+                    if prefix:
+                        logprobs = join_logprobs(_prompt_logprobs(state, output), logprobs)
                 chunk = CompletionResponse(
                     id=request_id,
                     model=state.model_name,
@@ -204,3 +210,11 @@ async def _stream(
         yield DONE
     finally:
         await outputs.aclose()
+
+
+def _prompt_logprobs(state: ServerState, output: RequestOutput):
+    tokenizer = state.engine.engine.tokenizer
+    ids = output.prompt_token_ids
+    return echoed_prompt_logprobs(
+        ids, output.prompt_logprobs or [None] * len(ids), [tokenizer.decode([t]) for t in ids]
+    )

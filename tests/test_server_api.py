@@ -118,6 +118,22 @@ def test_echo_prepends_the_prompt(client):
     assert greedy(client, max_tokens=4, echo=True).choices[0].text == PROMPT + plain
 
 
+def test_echo_with_logprobs_covers_the_prompt_tokens_then_the_completion(client):
+    plain = greedy(client, max_tokens=3, logprobs=2).choices[0]
+    echoed = greedy(client, max_tokens=3, logprobs=2, echo=True).choices[0]
+    num_prompt = len(echoed.logprobs.tokens) - 3
+    assert num_prompt > 1
+    assert echoed.logprobs.token_logprobs[0] is None and echoed.logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in echoed.logprobs.token_logprobs[1:])
+    assert echoed.logprobs.token_logprobs[num_prompt:] == plain.logprobs.token_logprobs
+    assert echoed.logprobs.text_offset[num_prompt] == len(PROMPT)
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True, stream=True
+    )
+    tokens = [t for chunk in streamed for t in (chunk.choices[0].logprobs.tokens if chunk.choices else [])]
+    assert tokens == echoed.logprobs.tokens
+
+
 def test_chat_whole_and_streamed_agree(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=6)

@@ -69,7 +69,6 @@ COMPLETION_CASES = {
         "stream_options",
         "stream",
     ),
-    "echo_with_logprobs": ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
     "prompt_longer_than_context": ({"prompt": [1] * 300}, "prompt", "300", "256"),
     "max_tokens_past_context": ({"prompt": [1] * 200, "max_tokens": 100}, "max_tokens", "200", "256"),
 }
