@@ -25,7 +25,7 @@ from server.protocol import (
 )
 from server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
 from server.state import ServerState, get_state
-from server.streaming import DONE, SSE_HEADERS, DeltaTracker, sse, sse_error, usage_of
+from server.streaming import SSE_HEADERS, DeltaTracker, end_stream, sse, usage_of
 
 
 def _num_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -70,7 +70,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _stream(state, request_id, body, engine_input.params.n, outputs, include_usage)
+        events = end_stream(
+            outputs, _stream(state, request_id, body, engine_input.params.n, outputs, include_usage)
+        )
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     return await _whole(state, request_id, body, outputs)
 
@@ -118,40 +120,29 @@ async def _stream(
         return sse(ChatCompletionChunk(id=request_id, model=state.model_name, choices=[choice]))
 
     tracker = DeltaTracker()
-    try:
-        for index in range(n):  # OpenAI opens every choice with the role, before any content
-            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-        async for _, output in outputs:
-            tracker.last_outputs[0] = output
-            for choice in sorted(output.outputs, key=lambda c: c.index):
-                delta = tracker.delta(0, choice)
-                if delta is None:
-                    continue
-                logprobs = None
-                if body.logprobs:
-                    entries = (choice.logprobs or [])[
-                        delta.first_token : delta.first_token + len(delta.token_ids)
-                    ]
-                    logprobs = chat_logprobs(delta.token_ids, entries, body.top_logprobs or 0)
-                yield chunk(
-                    ChatStreamChoice(
-                        index=choice.index,
-                        delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
-                        logprobs=logprobs,
-                        finish_reason=delta.finish_reason,
-                        stop_reason=choice.stop_reason if delta.finish_reason else None,
-                    )
+    for index in range(n):  # OpenAI opens every choice with the role, before any content
+        yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+    async for _, output in outputs:
+        tracker.last_outputs[0] = output
+        for choice in sorted(output.outputs, key=lambda c: c.index):
+            delta = tracker.delta(0, choice)
+            if delta is None:
+                continue
+            logprobs = None
+            if body.logprobs:
+                entries = (choice.logprobs or [])[
+                    delta.first_token : delta.first_token + len(delta.token_ids)
+                ]
+                logprobs = chat_logprobs(delta.token_ids, entries, body.top_logprobs or 0)
+            yield chunk(
+                ChatStreamChoice(
+                    index=choice.index,
+                    delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=choice.stop_reason if delta.finish_reason else None,
                 )
-        if include_usage:
-            usage = tracker.usage()
-            yield sse(ChatCompletionChunk(id=request_id, model=state.model_name, choices=[], usage=usage))
-        yield DONE
-    except GenerationStopped as stopped:
-        if not stopped.client_gone:
-            yield sse_error(503, str(stopped))
-            yield DONE
-    except APIError as err:
-        yield sse_error(err.status, err.message)
-        yield DONE
-    finally:
-        await outputs.aclose()
+            )
+    if include_usage:
+        usage = tracker.usage()
+        yield sse(ChatCompletionChunk(id=request_id, model=state.model_name, choices=[], usage=usage))

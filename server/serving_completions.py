@@ -17,7 +17,7 @@ from server.logprobs import completion_logprobs, echoed_prompt_logprobs, join_lo
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
 from server.state import ServerState, get_state
-from server.streaming import DONE, SSE_HEADERS, DeltaTracker, sse, sse_error, usage_of
+from server.streaming import SSE_HEADERS, DeltaTracker, end_stream, sse, usage_of
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -111,7 +111,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     )
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _stream(state, request_id, body, prompt_texts, outputs, include_usage)
+        events = end_stream(outputs, _stream(state, request_id, body, prompt_texts, outputs, include_usage))
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     return await _whole(state, request_id, body, prompt_texts, outputs)
 
@@ -164,52 +164,41 @@ async def _stream(
 ) -> AsyncIterator[str]:
     tracker = DeltaTracker()
     n = body.n or 1
-    try:
-        async for index, output in outputs:
-            tracker.last_outputs[index] = output
-            for choice in sorted(output.outputs, key=lambda c: c.index):
-                delta = tracker.delta(index, choice)
-                if delta is None:
-                    continue
-                prefix = prompt_texts[index] if body.echo and delta.first else ""
-                logprobs = None
-                if body.logprobs is not None:
-                    offset = len(choice.text) - len(delta.text)
-                    entries = (choice.logprobs or [])[
-                        delta.first_token : delta.first_token + len(delta.token_ids)
-                    ]
-                    shift = len(prompt_texts[index]) if body.echo else 0  # offsets count the echoed prompt
-                    logprobs = completion_logprobs(delta.token_ids, entries, shift + offset)
-                    if prefix:
-                        logprobs = join_logprobs(_prompt_logprobs(state, output), logprobs)
-                chunk = CompletionResponse(
-                    id=request_id,
-                    model=state.model_name,
-                    choices=[
-                        CompletionChoice(
-                            index=index * n + choice.index,
-                            text=prefix + delta.text,
-                            logprobs=logprobs,
-                            finish_reason=delta.finish_reason,
-                            stop_reason=choice.stop_reason if delta.finish_reason else None,
-                        )
-                    ],
-                )
-                yield sse(chunk)
-        if include_usage:
-            yield sse(
-                CompletionResponse(id=request_id, model=state.model_name, choices=[], usage=tracker.usage())
+    async for index, output in outputs:
+        tracker.last_outputs[index] = output
+        for choice in sorted(output.outputs, key=lambda c: c.index):
+            delta = tracker.delta(index, choice)
+            if delta is None:
+                continue
+            prefix = prompt_texts[index] if body.echo and delta.first else ""
+            logprobs = None
+            if body.logprobs is not None:
+                offset = len(choice.text) - len(delta.text)
+                entries = (choice.logprobs or [])[
+                    delta.first_token : delta.first_token + len(delta.token_ids)
+                ]
+                shift = len(prompt_texts[index]) if body.echo else 0  # offsets count the echoed prompt
+                logprobs = completion_logprobs(delta.token_ids, entries, shift + offset)
+                if prefix:
+                    logprobs = join_logprobs(_prompt_logprobs(state, output), logprobs)
+            chunk = CompletionResponse(
+                id=request_id,
+                model=state.model_name,
+                choices=[
+                    CompletionChoice(
+                        index=index * n + choice.index,
+                        text=prefix + delta.text,
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=choice.stop_reason if delta.finish_reason else None,
+                    )
+                ],
             )
-        yield DONE
-    except GenerationStopped as stopped:
-        if not stopped.client_gone:
-            yield sse_error(503, str(stopped))
-            yield DONE
-    except APIError as err:
-        yield sse_error(err.status, err.message)
-        yield DONE
-    finally:
-        await outputs.aclose()
+            yield sse(chunk)
+    if include_usage:
+        yield sse(
+            CompletionResponse(id=request_id, model=state.model_name, choices=[], usage=tracker.usage())
+        )
 
 
 def _prompt_logprobs(state: ServerState, output: RequestOutput):

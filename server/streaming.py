@@ -7,12 +7,14 @@ choice only what it has not sent yet, and its finish reason once.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 
 from jpaged.outputs import CompletionOutput, RequestOutput
-from server.errors import error_body
+from server.errors import APIError, error_body
+from server.generation import GenerationStopped
 from server.protocol import UsageInfo
 
 DONE = "data: [DONE]\n\n"
@@ -26,6 +28,25 @@ def sse(chunk: BaseModel) -> str:
 def sse_error(status: int, message: str) -> str:
     """An error after the stream began (status 200 is already sent): one error event, as vLLM and OpenAI do."""
     return f"data: {json.dumps(error_body(status, message))}\n\n"
+
+
+async def end_stream(outputs: AsyncGenerator, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events`, then [DONE]. A generation stopped (shutdown) or failed mid-stream ends with one error event and
+    [DONE] — or nothing more when the client is gone — and the engine streams in `outputs` are closed whatever
+    happens."""
+    try:
+        async for event in events:
+            yield event
+        yield DONE
+    except GenerationStopped as stopped:
+        if not stopped.client_gone:
+            yield sse_error(503, str(stopped))
+            yield DONE
+    except APIError as err:
+        yield sse_error(err.status, err.message)
+        yield DONE
+    finally:
+        await outputs.aclose()
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import math
 import httpx
 import pytest
 from conftest import TINY, hf_model
+from engine_driver import run_requests
 
 from jpaged.async_engine import AsyncLLMEngine
 from jpaged.beam_search import BeamSearch, BeamSearchParams
@@ -170,17 +171,6 @@ def hf_beams(model_dir, eos: list[int] | None, length_penalty: float) -> list[tu
     return beams
 
 
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], object]]) -> dict:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    done = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output
-    return done
-
-
 def assert_same_beams(output, reference, length_penalty):
     assert [o.token_ids for o in output.outputs] == [tokens for tokens, _ in reference]
     scores = [o.cumulative_logprob / len(o.token_ids) ** length_penalty for o in output.outputs]
@@ -189,7 +179,7 @@ def assert_same_beams(output, reference, length_penalty):
 
 def test_beams_equal_transformers_when_eos_is_ignored(engine, model_dir):
     params = BeamSearchParams(WIDTH, MAX_TOKENS, ignore_eos=True)
-    output = run(engine, {"a": (PROMPT, params)})["a"]
+    output = run_requests(engine, {"a": (PROMPT, params)})["a"]
     reference = hf_beams(model_dir, None, 1.0)
     assert_same_beams(output, reference, 1.0)
     # Beams that share a first token: some beam was dropped and another forked after the first step.
@@ -201,7 +191,7 @@ def test_beams_equal_transformers_when_eos_is_ignored(engine, model_dir):
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0])
 def test_beams_ending_on_eos_equal_transformers_with_the_length_penalty(engine, model_dir, length_penalty):
     params = BeamSearchParams(WIDTH, MAX_TOKENS, length_penalty)
-    output = run(engine, {"a": (PROMPT, params)})["a"]
+    output = run_requests(engine, {"a": (PROMPT, params)})["a"]
     assert_same_beams(
         output, hf_beams(model_dir, list(engine.model_config.eos_token_ids), length_penalty), length_penalty
     )
@@ -237,13 +227,13 @@ def test_beams_share_the_prompt_blocks_and_dropped_beams_free_theirs_at_once(loa
 )
 def test_beam_search_among_other_requests_gives_the_solo_beams(loaded, engine, overrides):
     params = BeamSearchParams(WIDTH, MAX_TOKENS)
-    solo = run(engine, {"beam": (PROMPT, params)})["beam"]
+    solo = run_requests(engine, {"beam": (PROMPT, params)})["beam"]
     busy = LLMEngine(EngineConfig(**{**ENGINE_ARGS, **overrides}), model=loaded)
     others = [
         ((PROMPT * 6)[i : 40 + i], SamplingParams(max_tokens=8, seed=i, ignore_eos=True)) for i in range(4)
     ]
     requests = {"o0": others[0], "o1": others[1], "beam": (PROMPT, params), "o2": others[2], "o3": others[3]}
-    outputs = run(busy, requests)
+    outputs = run_requests(busy, requests)
     assert [o.token_ids for o in outputs["beam"].outputs] == [o.token_ids for o in solo.outputs]
     if "num_blocks" in overrides:
         assert busy.scheduler.num_preemptions > 0
@@ -271,7 +261,7 @@ def test_llm_beam_search_returns_the_beams_best_first(model_dir):
 
 
 def test_completions_with_use_beam_search_return_every_beam_as_a_choice(loaded, engine):
-    reference = run(engine, {"r": (PROMPT, BeamSearchParams(WIDTH, MAX_TOKENS, 2.0))})["r"]
+    reference = run_requests(engine, {"r": (PROMPT, BeamSearchParams(WIDTH, MAX_TOKENS, 2.0))})["r"]
     server_engine = AsyncLLMEngine(LLMEngine(EngineConfig(**ENGINE_ARGS), model=loaded))
     try:
         with (

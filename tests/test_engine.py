@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from engine_driver import run_requests
 from greedy import assert_same_greedy
 
 from jpaged.config import EngineConfig
@@ -28,14 +29,8 @@ def model():
 
 
 def run(engine: LLMEngine, prompts: list[str], params: SamplingParams = GREEDY) -> list:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    done = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.outputs[0]
-    return [done[f"r{i}"] for i in range(len(prompts))]
+    done = run_requests(engine, {f"r{i}": (prompt, params) for i, prompt in enumerate(prompts)})
+    return [done[f"r{i}"].outputs[0] for i in range(len(prompts))]
 
 
 def make(model, **overrides) -> LLMEngine:

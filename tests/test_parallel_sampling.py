@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import hf_logits
+from engine_driver import run_requests
 
 from jpaged.config import EngineConfig
 from jpaged.detokenizer import REPLACEMENT_CHAR
@@ -31,17 +32,6 @@ def make(model, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**{**ARGS, **overrides}), model=model)
 
 
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    done = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output
-    return done
-
-
 def used_blocks(engine: LLMEngine) -> int:
     return engine.blocks.num_total_blocks - engine.blocks.num_free_blocks
 
@@ -56,27 +46,27 @@ def test_four_samples_allocate_the_prompt_blocks_once_and_differ(tiny):
     one.step(), four.step()
     # Writing their second token, three samples copy the shared partial block; the last one owns it then.
     assert used_blocks(four) == used_blocks(one) + 3
-    outputs = run(four, {})["a"].outputs
+    outputs = run_requests(four, {})["a"].outputs
     assert len({tuple(o.token_ids) for o in outputs}) == 4
     assert four.blocks.num_free_blocks == four.blocks.num_total_blocks  # cached blocks count as free
 
 
 def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(tiny):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
-    alone = run(make(tiny), {"x": (LONG_PROMPT[:30], params)})["x"].outputs[0].token_ids
+    alone = run_requests(make(tiny), {"x": (LONG_PROMPT[:30], params)})["x"].outputs[0].token_ids
     neighbours = {
         f"n{i}": (LONG_PROMPT[i : 20 + 13 * i], SamplingParams(max_tokens=5 + i, seed=i, ignore_eos=True))
         for i in range(5)
     }
     busy = make(tiny, max_num_batched_tokens=32)  # the prompt is chunked and shares steps with the others
-    batched = run(busy, {**neighbours, "x": (LONG_PROMPT[:30], params)})["x"].outputs[0].token_ids
+    batched = run_requests(busy, {**neighbours, "x": (LONG_PROMPT[:30], params)})["x"].outputs[0].token_ids
     assert batched == alone
 
 
 def test_different_seeds_give_different_samples(tiny):
     engine = make(tiny)
     params = [SamplingParams(max_tokens=8, seed=seed, ignore_eos=True) for seed in (1, 2)]
-    outputs = run(engine, {str(i): (LONG_PROMPT[:30], p) for i, p in enumerate(params)})
+    outputs = run_requests(engine, {str(i): (LONG_PROMPT[:30], p) for i, p in enumerate(params)})
     assert outputs["0"].outputs[0].token_ids != outputs["1"].outputs[0].token_ids
 
 
@@ -85,7 +75,7 @@ def test_temperature_zero_is_greedy(tiny, model_dir):
     prompt = LONG_PROMPT[:30]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     only_the_best = SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=5, ignore_eos=True)
-    outputs = run(engine, {"greedy": (prompt, greedy), "top1": (prompt, only_the_best)})
+    outputs = run_requests(engine, {"greedy": (prompt, greedy), "top1": (prompt, only_the_best)})
     tokens = outputs["greedy"].outputs[0].token_ids
     assert outputs["top1"].outputs[0].token_ids == tokens  # the sampling path restricted to the argmax
     for step, token in enumerate(tokens):  # and transformers' argmax, step by step
