@@ -23,7 +23,7 @@ import jax.numpy as jnp
 _NEG = -1e30  # finite "minus infinity": keeps fully masked rows NaN-free
 _QUERY_TILE = 32  # prefill query rows per loop iteration
 # KV tokens gathered per online-softmax iteration. Small chunks keep the gathered pages in cache: on CPU a decode
-# step over 64 sequences of 160 tokens runs ~3x faster with 32-token chunks than with 256 (scripts/bench_kernels.py).
+# step over 64 sequences of 160 tokens (SmolLM2 shapes, 30 layers) ran ~3x faster with 32-token chunks than with 256.
 _LAST_ROW_CHUNK_TOKENS = 32
 _TILE_CHUNK_TOKENS = 256
 
