@@ -54,10 +54,9 @@ def default_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_gguf):
-    from jpaged.models.gguf_metadata import read_gguf_fields
-    from jpaged.tokenizer import load_gguf_tokenizer
+    from jpaged.models.loader import load_model
 
-    return load_gguf_tokenizer(default_gguf, read_gguf_fields(default_gguf))
+    return load_model(str(default_gguf), progress=False).tokenizer
 
 
 @functools.cache

@@ -11,16 +11,18 @@ import re
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from jpaged.default_model import default_model_path
 from jpaged.models.checkpoint import ORBAX_MARKER, restore_checkpoint
 from jpaged.models.config import ModelConfig
-from jpaged.models.gguf_metadata import gguf_model_config, read_gguf_fields
+from jpaged.models.gguf_cache import load_converted, store_converted
+from jpaged.models.gguf_metadata import gguf_model_config, gguf_tokenizer, read_gguf_fields
 from jpaged.models.params import param_stats, params_from_hf_names
 from jpaged.models.weights import gguf_reader, read_hf_config, safetensors_reader
-from jpaged.tokenizer import eos_token_ids, load_gguf_tokenizer, load_tokenizer
+from jpaged.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +93,18 @@ def load_model(model: str | None = None, dtype=np.float32, *, progress: bool = T
         params = params_from_hf_names(config, safetensors_reader(source.path), dtype, progress=progress)
         tokenizer = load_tokenizer(source.path)
     else:
-        fields = read_gguf_fields(source.path)
-        config = gguf_model_config(fields)
-        params = params_from_hf_names(config, gguf_reader(source.path, config), dtype, progress=progress)
-        tokenizer = load_gguf_tokenizer(source.path, fields)
+        converted = load_converted(source.path, dtype)
+        if converted is None:
+            fields = read_gguf_fields(source.path)
+            config = gguf_model_config(fields)
+            params = params_from_hf_names(
+                config, gguf_reader(source.path, config), np.float32, progress=progress
+            )
+            tokenizer = gguf_tokenizer(fields)
+            store_converted(source.path, config, params, tokenizer)
+            params = jax.tree_util.tree_map(lambda x: x.astype(dtype, copy=False), params)
+        else:
+            config, params, tokenizer = converted
     config = dataclasses.replace(config, eos_token_ids=eos_token_ids(config.eos_token_ids, tokenizer))
     seconds = time.perf_counter() - start
     count, nbytes = param_stats(params)
