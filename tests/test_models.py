@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import TINY_FAMILIES, hf_logits
 
-from jpaged.models.llama import StepBatch, forward, init_kv_cache
+from jpaged.models.llama import StepBatch, device_params, forward, init_kv_cache
 from jpaged.models.loader import load_model
 from jpaged.pallas.reference import paged_attention_stacked
 
@@ -20,8 +20,9 @@ BLOCK = 16
 class PagedRun:
     """Drives the forward pass by hand: sequences get consecutive blocks, steps feed chosen token ranges."""
 
-    def __init__(self, loaded, num_seqs: int, max_len: int = 128):
-        self.config, self.params = loaded.config, jax.device_put(loaded.params)
+    def __init__(self, loaded, num_seqs: int, max_len: int = 128, layout: str = "stacked"):
+        params = device_params(loaded.params) if layout == "split" else loaded.params
+        self.config, self.params = loaded.config, jax.device_put(params)
         self.width = max_len // BLOCK
         self.cache = init_kv_cache(self.config, 1 + num_seqs * self.width, BLOCK, jnp.float32)
         self.fn = jax.jit(functools.partial(forward, config=self.config, attention=paged_attention_stacked))
@@ -52,15 +53,16 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
 
 
+@pytest.mark.parametrize("layout", ["stacked", "split"])  # accelerators' layout, CPU's (llama.device_params)
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
-def test_logits_match_transformers_for_ragged_prefill_and_paged_decode(family, tiny_model_dir):
+def test_logits_match_transformers_for_ragged_prefill_and_paged_decode(family, layout, tiny_model_dir):
     model_dir = tiny_model_dir(family)
     loaded = load_model(str(model_dir), progress=False)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(0, 49152, n))) for n in (5, 16, 23, 41)]
     expected = [hf_logits(model_dir, p) for p in prompts]
 
-    run = PagedRun(loaded, len(prompts))
+    run = PagedRun(loaded, len(prompts), layout=layout)
     # Step 1: ragged prefill of all but the last 3 tokens of every prompt, in one batch.
     lengths = [len(p) for p in prompts]
     got = run.step(prompts, [0] * 4, [n - 3 for n in lengths])

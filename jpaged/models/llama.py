@@ -10,6 +10,11 @@ layer, not thirty; q/k/v and gate/up fused so each is one matmul):
           q_norm / k_norm [L, Dh] (Qwen3), wo [L, Hq Dh, D], mlp_norm [L, D], w_gate_up [L, D, 2F], w_down [L, F, D]
 KV cache: (k, v), each [L, N, B, Hk, Dh]; the step writes its new K/V through `slot_mapping` and attends through
 `block_tables`. Both are donated by the caller, so the scatter updates them in place.
+
+On CPU the runner hands `forward` the layout of `device_params`: the four big matrices of each layer as separate
+arrays, picked inside the scan with `lax.switch`. XLA CPU copies a dynamic slice of a stacked matrix before its
+dot, i.e. the whole model's weights every step; separate arrays are read in place (a 64-sequence decode step of
+SmolLM2 ~15% faster, an 8-sequence one ~20%). Accelerators keep the stacked slices, which their compilers fuse.
 """
 
 from __future__ import annotations
@@ -36,6 +41,17 @@ class StepBatch(NamedTuple):
     kv_lens: jax.Array  # [S] context length including this step's tokens
     num_seqs: jax.Array  # [1] live sequences
     logits_indices: jax.Array  # [R] token rows whose logits are returned
+
+
+LAYER_MATRICES = ("w_qkv", "wo", "w_gate_up", "w_down")
+
+
+def device_params(params: dict) -> dict:
+    """Params with each layer's big matrices split out of the stacks (tuples of L arrays under
+    "layer_matrices"), the layout `forward` reads in place on CPU; the small per-layer vectors stay stacked."""
+    layers = dict(params["layers"])
+    split = {name: tuple(layers.pop(name)) for name in LAYER_MATRICES}
+    return {**params, "layers": layers, "layer_matrices": split}
 
 
 class KVCache(NamedTuple):
@@ -101,11 +117,19 @@ def forward(
     cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
     write_block, write_offset = batch.slot_mapping // block_size, batch.slot_mapping % block_size
 
+    split = params.get("layer_matrices")
+
+    def matmul(name: str, lp: dict, index: jax.Array, x: jax.Array) -> jax.Array:
+        """x @ this layer's matrix `name`: a slice of the stack, or the layer's own array (see device_params)."""
+        if split is None:
+            return x @ lp[name]
+        return jax.lax.switch(index, [lambda x, w=w: x @ w for w in split[name]], x)
+
     def layer(carry, xs):
         x, k_cache, v_cache = carry
         lp, index = xs
         h = _rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        qkv = h @ lp["w_qkv"]
+        qkv = matmul("w_qkv", lp, index, h)
         if c.attention_bias:
             qkv = qkv + lp["b_qkv"]
         q = qkv[:, :q_size].reshape(num_tokens, c.num_heads, c.head_dim)
@@ -129,10 +153,10 @@ def forward(
             sm_scale=c.head_dim**-0.5,
             sliding_window=c.sliding_window,
         )
-        x = x + attn.reshape(num_tokens, q_size).astype(dtype) @ lp["wo"]
+        x = x + matmul("wo", lp, index, attn.reshape(num_tokens, q_size).astype(dtype))
         h = _rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
-        gate, up = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
-        x = x + (jax.nn.silu(gate) * up) @ lp["w_down"]
+        gate, up = jnp.split(matmul("w_gate_up", lp, index, h), 2, axis=-1)
+        x = x + matmul("w_down", lp, index, jax.nn.silu(gate) * up)
         return (x, k_cache, v_cache), None
 
     x = params["embed"][batch.token_ids]
