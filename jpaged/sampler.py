@@ -9,7 +9,7 @@ and a vocabulary restriction) -> penalties (repetition on prompt+output, frequen
 
 Feature switches: optional fields of `SamplingTensors` are None when no row in the batch needs them, and `jit`
 specialises on which are None (the pytree structure), so the common path carries no extra inputs or work:
-  keys, steps                      None when every row is greedy: no random numbers, no temperature/min_p
+  keys, steps                      None when every row is greedy (present, an all-greedy batch skips the draw)
   top_k, top_p                     None when no row truncates (present but all off costs one lax.cond)
   history, prompt_lens, *_penalty  None when no row has a penalty: skips the [S, H] scatter
   bias_ids, bias_values            None when no row has logit_bias, an active bad word or an active min_tokens
@@ -384,8 +384,13 @@ def sample(logits: jax.Array, t: SamplingTensors, *, num_logprobs: int | None) -
     greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     peak = jnp.take_along_axis(processed, greedy_ids[:, None], axis=-1)[:, 0]
     token_ids = greedy_ids
-    if t.keys is not None:
-        token_ids = jnp.where(t.temperature < SAMPLING_EPS, greedy_ids, _random_tokens(processed, peak, t))
+    if t.keys is not None:  # skipped at run time when every row is greedy, so one program serves both
+        greedy = t.temperature < SAMPLING_EPS
+        token_ids = jax.lax.cond(
+            jnp.all(greedy),
+            lambda: greedy_ids,
+            lambda: jnp.where(greedy, greedy_ids, _random_tokens(processed, peak, t)),
+        )
     if num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     raw_peak = peak if processed is raw else None
