@@ -14,6 +14,7 @@ _EXPORTS = {
     "BeamSearchParams": "jpaged.beam_search",
     "EngineConfig": "jpaged.config",
     "SamplingParams": "jpaged.sampling_params",
+    "RequestOutputKind": "jpaged.sampling_params",
     "RequestOutput": "jpaged.outputs",
     "CompletionOutput": "jpaged.outputs",
     "Logprob": "jpaged.outputs",

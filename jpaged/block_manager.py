@@ -1,7 +1,9 @@
 """Per-sequence block tables over the physical pool: prefix matching, copy-on-write, fork, swap.
 
 Pure Python, no JAX: the scheduler calls it, the model runner reads block tables from it, and the engine executes
-the device work it records (CoW copies, swap transfers) at the start of the next step.
+the device work it records (CoW copies, swap transfers) at the start of the next step. Every table is mirrored
+as a row of one numpy array, rewritten only when the table changes, so a step gathers the tables of its
+sequences in one indexing call instead of copying each list (vLLM's persistent block table).
 
 Transfer contract for the engine: within one step, apply all transfers as if every read happens before any write
 (gather swap-out blocks, swap-in host slots and CoW sources from the state the previous step left, then scatter).
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jpaged.block_pool import BlockHash, BlockPool, hash_block_tokens
 
 
@@ -23,6 +27,35 @@ class _SequenceBlocks:
     # Hashes of the leading full, computed blocks, in order: the chain that the next block's hash extends.
     block_hashes: list[BlockHash] = field(default_factory=list)
     host_slots: list[int] | None = None  # set while swapped out
+    row: int = -1  # its row in the table array
+
+
+class _TableRows:
+    """Rows of block ids (padded with the null block 0), one per registered sequence; widens as tables grow."""
+
+    def __init__(self) -> None:
+        self.array = np.zeros((64, 16), np.int32)
+        self._free = list(range(63, -1, -1))
+
+    def acquire(self) -> int:
+        if not self._free:
+            rows = len(self.array)
+            self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free.pop()
+
+    def release(self, row: int) -> None:
+        self.array[row] = 0
+        self._free.append(row)
+
+    def write(self, row: int, block_ids: list[int]) -> None:
+        width = self.array.shape[1]
+        if len(block_ids) > width:
+            wider = np.zeros((len(self.array), max(2 * width, len(block_ids))), np.int32)
+            wider[:, :width] = self.array
+            self.array = wider
+        self.array[row, : len(block_ids)] = block_ids
+        self.array[row, len(block_ids) :] = 0
 
 
 class BlockManager:
@@ -45,6 +78,7 @@ class BlockManager:
         self.num_swap_blocks = num_swap_blocks
         self._free_host_slots = list(range(num_swap_blocks - 1, -1, -1))
         self._seqs: dict[int, _SequenceBlocks] = {}
+        self._rows = _TableRows()
         self._pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -75,6 +109,12 @@ class BlockManager:
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._on_device(seq_id).block_ids)
 
+    def block_tables(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """int32 [len(seq_ids), W]: row i is the table of seq_ids[i], padded with the null block 0 (W is at
+        least the longest table of any sequence)."""
+        seqs = self._seqs
+        return self._rows.array[[seqs[seq_id].row for seq_id in seq_ids]]
+
     def match_prefix(self, seq_id: int, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Attach the longest run of cached leading full blocks and return how many tokens they hold.
 
@@ -85,7 +125,7 @@ class BlockManager:
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
-            seq = self._seqs[seq_id] = _SequenceBlocks()
+            seq = self._seqs[seq_id] = _SequenceBlocks(row=self._rows.acquire())
         elif seq.block_ids or seq.host_slots is not None:
             raise ValueError(
                 f"seq_id {seq_id} already holds blocks: free it before matching its prefix again"
@@ -102,6 +142,7 @@ class BlockManager:
             self.pool.incref(block_id)
             seq.block_ids.append(block_id)
             seq.block_hashes.append(parent)
+        self._rows.write(seq.row, seq.block_ids)
         num_hit_tokens = len(seq.block_ids) * self.block_size
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += num_hit_tokens
@@ -112,11 +153,12 @@ class BlockManager:
         this step, so any shared block among them is copied first. Returns False, changing nothing, when the
         pool (counting evictable cached blocks) is too small."""
         seq = self._seqs.get(seq_id)
-        if (  # fast path, 15 of 16 decode steps: the token goes into the sequence's own partly-filled block
+        # Fast path, 15 of 16 decode steps: the token goes into the sequence's own partly-filled block (a swapped
+        # out sequence has no blocks, so the length test fails for it).
+        if (
             num_new_tokens == 1
-            and seq is not None
-            and seq.host_slots is None
             and num_computed_tokens % self.block_size
+            and seq is not None
             and num_computed_tokens // self.block_size == len(seq.block_ids) - 1
             and self.pool.refcount(seq.block_ids[-1]) == 1
         ):
@@ -136,7 +178,10 @@ class BlockManager:
             self._pending_copies.append((source, block_ids[index]))
         if num_needed:
             block_ids.extend(pool.allocate() for _ in range(num_needed))
-        self._seqs[seq_id] = seq
+        if seq.row < 0:
+            seq.row = self._rows.acquire()
+            self._seqs[seq_id] = seq
+        self._rows.write(seq.row, block_ids)
         return True
 
     def cache_full_blocks(
@@ -164,7 +209,9 @@ class BlockManager:
         parent = self._on_device(parent_id)
         for block_id in parent.block_ids:
             self.pool.incref(block_id)
-        self._seqs[child_id] = _SequenceBlocks(list(parent.block_ids), list(parent.block_hashes))
+        child = _SequenceBlocks(list(parent.block_ids), list(parent.block_hashes), row=self._rows.acquire())
+        self._rows.write(child.row, child.block_ids)
+        self._seqs[child_id] = child
 
     def free(self, seq_id: int) -> None:
         """Release a finished, aborted or recompute-preempted sequence; full blocks stay cached until evicted."""
@@ -174,6 +221,7 @@ class BlockManager:
             self.pool.decref(block_id)
         if seq.host_slots is not None:
             self._free_host_slots.extend(seq.host_slots)
+        self._rows.release(seq.row)
         del self._seqs[seq_id]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -200,6 +248,7 @@ class BlockManager:
         for block_id in reversed(seq.block_ids):
             self.pool.decref(block_id)
         seq.block_ids, seq.host_slots = [], slots
+        self._rows.write(seq.row, seq.block_ids)
         self.num_swapped_out_blocks += len(slots)
         return transfers
 
@@ -214,6 +263,7 @@ class BlockManager:
         seq = self._seqs[seq_id]
         slots, seq.host_slots = seq.host_slots or [], None
         seq.block_ids = [self.pool.allocate() for _ in slots]
+        self._rows.write(seq.row, seq.block_ids)
         if self.enable_prefix_caching:
             for block_id, block_hash in zip(seq.block_ids, seq.block_hashes, strict=False):
                 self.pool.register(block_id, block_hash)

@@ -13,7 +13,7 @@ from the stream until it cannot, so text after which a stop string is cut never 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from jpaged.sampling_params import SamplingParams
@@ -26,11 +26,56 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ..., **kwargs) -> str: ...
 
 
+def decoder_for(tokenizer: Tokenizer, params: SamplingParams) -> Callable[[list[int]], str]:
+    """`tokenizer.decode` with the params' options and no clean-up. For transformers' Rust-backed tokenizers
+    that is exactly the Rust tokenizer's own decode, called directly: it skips ~8 us of Python per call, and
+    streaming decodes twice per token."""
+    skip = params.skip_special_tokens
+    if _is_plain_tokenizers_backend(tokenizer):
+        decode = tokenizer.backend_tokenizer.decode
+        return lambda token_ids: decode(token_ids, skip_special_tokens=skip)
+    return lambda token_ids: tokenizer.decode(
+        token_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+    )
+
+
+def _is_plain_tokenizers_backend(tokenizer: Tokenizer) -> bool:
+    """Whether `decode(..., clean_up_tokenization_spaces=False)` only calls the Rust tokenizer (a transformers
+    TokenizersBackend whose class overrides neither decode step)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return False
+    cls = type(tokenizer)
+    return (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+    )
+
+
+def decode_output(
+    tokenizer: Tokenizer,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    params: SamplingParams,
+) -> str:
+    """In one decode, the text an IncrementalDetokenizer without stop strings holds once finished: the output
+    decoded after the same prompt context, minus an incomplete final character. For outputs nobody reads before
+    they end, it saves two decodes per token."""
+    if not params.detokenize:
+        return ""
+    decode = decoder_for(tokenizer, params)
+    context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+    return decode([*context, *output_token_ids])[len(decode(context)) :].rstrip(REPLACEMENT_CHAR)
+
+
 class IncrementalDetokenizer:
     """One sequence's output text. `add_tokens` returns the delta to stream; deltas concatenate to `text`."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self._tokenizer = tokenizer
+        self._decode = decoder_for(tokenizer, params)
         self._params = params
         self._max_stop_len = max((len(s) for s in params.stop_strings), default=0)
         self._token_ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -63,13 +108,6 @@ class IncrementalDetokenizer:
             self._append(self._pending_text().rstrip(REPLACEMENT_CHAR))
         self.finished = True
         return self._release()
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            token_ids,
-            skip_special_tokens=self._params.skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
 
     def _pending_text(self) -> str:
         """What the tokens after read_offset add to the text, decoded in context from prefix_offset."""

@@ -23,9 +23,9 @@ from jpaged.kv_cache_sizing import (
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
-from jpaged.sampler import LOGPROB_BUCKETS, SamplerOutput, SamplingRow, logprobs_bucket
-from jpaged.sampling_params import SamplingParams
-from jpaged.scheduler import ScheduledSeq, Scheduler
+from jpaged.sampler import LOGPROB_BUCKETS, SamplerOutput, SamplingRow, SamplingTensors, logprobs_bucket
+from jpaged.sampling_params import RequestOutputKind, SamplingParams, tokenize_bad_words
+from jpaged.scheduler import Scheduler
 from jpaged.sequence import Request, SequenceStatus
 from jpaged.sequence import Sequence as Seq
 
@@ -85,6 +85,10 @@ class LLMEngine:
             self._host_k, self._host_v = np.zeros(shape, dtype), np.zeros(shape, dtype)
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self._beam_requests: set[str] = set()  # ids of the unfinished beam searches
+        self._plain_sampling: dict[int, SamplingTensors] = {}  # sampler inputs of plain greedy rows, by S
+        # The previous step's static rows and their inputs: (row_seqs, tensors, num_rows, num_logprobs).
+        self._static_sampling: tuple[list[Seq], SamplingTensors, int, int | None] | None = None
         self._rng = np.random.default_rng(config.seed)
         self._next_seq_id = 0
         self._private_salts = itertools.count()
@@ -125,8 +129,14 @@ class LLMEngine:
         request = Request(
             request_id, text, token_ids, params, seed, time.time(), priority, cache_salt, beam=beam
         )
+        if params.bad_words:
+            request.bad_words_token_ids = tokenize_bad_words(params.bad_words, self.tokenizer)
+        request.static_sampling = beam is None and _has_static_sampling(params)
+        request.plain_greedy = request.static_sampling and _is_plain_greedy(params)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
+        if beam is not None:
+            self._beam_requests.add(request_id)
         seq = self._new_seq(request, list(token_ids), index=0)
         self.outputs.attach(seq)
         self.scheduler.add(seq)
@@ -169,9 +179,9 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._beam_requests.discard(request_id)
         for seq in request.seqs:
-            if seq.finish_reason is None:
-                seq.finish_reason = "abort"
+            self.outputs.abort(seq)
             self.scheduler.finish(seq)
         if request.beam is not None:
             return self.outputs.beam_search_output(request, aborted=True)
@@ -183,86 +193,163 @@ class LLMEngine:
     # ---- the loop ----
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one device step, process its tokens; returns outputs of requests that progressed."""
+        """Schedule, run one device step, process its tokens; returns the outputs due this step: every advanced
+        request's, except FINAL_ONLY ones (and beam searches) until they finish."""
         plan = self.scheduler.schedule()
         self._run_swaps(plan.swap_out, plan.swap_in)
-        scheduled = self._keep_beams_in_lockstep(plan.scheduled)
-        if not scheduled:
+        seqs, num_new_tokens = plan.seqs, plan.num_new_tokens
+        if self._beam_requests:
+            seqs, num_new_tokens = self._keep_beams_in_lockstep(seqs, num_new_tokens)
+        if not seqs:
             self._copy_blocks(plan.copies)
             return []
-        rows, row_seqs = [], []  # scheduled index and sequence of every sampled row
-        for i, item in enumerate(scheduled):
-            if item.samples:
-                seq = item.seq
-                for k in range(seq.num_sample_rows):
-                    rows.append(i)
-                    row_seqs.append((seq, self._sample_seed_for(seq.request, seq.index + k)))
-        tables = [self.blocks.block_table(s.seq.seq_id) for s in scheduled]
-        prompt_seqs = [i for i, item in enumerate(scheduled) if self._computes_prompt_logprobs(item)]
-        batch, num_rows, prompt_targets = self.runner.prepare(scheduled, tables, rows, prompt_seqs)
-        sampling_rows = [
-            SamplingRow(
-                seq.request.params, seq.request.prompt_token_ids, seq.output_token_ids, seed, self._eos(seq)
-            )
-            for seq, seed in row_seqs
-        ]
-        tensors = self.runner.sampling_tensors(sampling_rows, num_rows)
+        rows, row_seqs, prompt_seqs, all_static, all_plain = self._sampled_rows(seqs, num_new_tokens)
+        tables = self.blocks.block_tables([seq.seq_id for seq in seqs])
+        batch, num_rows, prompt_targets = self.runner.prepare(seqs, num_new_tokens, tables, rows, prompt_seqs)
+        tensors, num_logprobs = self._sampling_inputs(row_seqs, num_rows, all_static, all_plain)
         num_prompt_logprobs = None
         if prompt_seqs:
-            asked = max(scheduled[i].seq.request.params.prompt_logprobs for i in prompt_seqs)
+            asked = max(seqs[i].request.params.prompt_logprobs for i in prompt_seqs)
             num_prompt_logprobs = next(b for b in LOGPROB_BUCKETS if b >= asked)
         result, prompt_logprobs = self.runner.execute(
-            batch, tensors, plan.copies, logprobs_bucket(sampling_rows), prompt_targets, num_prompt_logprobs
+            batch, tensors, plan.copies, num_logprobs, prompt_targets, num_prompt_logprobs
         )
+        now = time.time()  # one clock reading for every token of the step
         for i in prompt_seqs:
-            item = scheduled[i]
-            start = int(batch.query_start[i])
+            seq, start = seqs[i], int(batch.query_start[i])
             self.outputs.record_prompt_logprobs(
-                item.seq.request, item.seq.num_computed_tokens, item.num_new_tokens, prompt_logprobs, start
+                seq.request, seq.num_computed_tokens, num_new_tokens[i], prompt_logprobs, start
             )
-        for item in scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.blocks.cache_full_blocks(
-                seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt
-            )
-        touched = self._append_samples([seq for seq, _ in row_seqs], result)
-        outputs = []
-        for request in touched.values():
-            if request.beam is None:
-                outputs.append(self.outputs.request_output(request))
-            elif request.beam.done:  # a beam search reports once, when done
+        block_size = self.config.block_size
+        for seq, num_new in zip(seqs, num_new_tokens, strict=True):
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = after = before + num_new
+            if after // block_size != before // block_size:  # a block filled up: make it hittable
+                self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids, after, seq.request.cache_salt)
+        return self._append_samples(row_seqs, result, now)
+
+    def _sampled_rows(
+        self, seqs: list[Seq], num_new_tokens: list[int]
+    ) -> tuple[list[int], list[Seq], list[int], bool, bool]:
+        """One pass over the schedule: the scheduled index and sequence of every sampled row (a request's
+        first token fans out to n rows), the scheduled indices that compute prompt logprobs, and whether every
+        row has static sampling inputs, and is plain greedy (see Request). Counts the prompt tokens of requests
+        getting their first token."""
+        rows: list[int] = []
+        row_seqs: list[Seq] = []
+        prompt_seqs: list[int] = []
+        all_static = all_plain = True
+        for i, seq in enumerate(seqs):
+            request = seq.request
+            if request.prompt_logprobs is not None and self._computes_prompt_logprobs(seq):
+                prompt_seqs.append(i)
+            num_tokens = len(seq.token_ids)
+            if seq.num_computed_tokens + num_new_tokens[i] != num_tokens:
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            all_static = all_static and request.static_sampling
+            all_plain = all_plain and request.plain_greedy
+            rows.append(i)
+            row_seqs.append(seq)
+            if num_tokens == len(request.prompt_token_ids):  # first token: n samples, or a beam's proposals
+                if seq.index == 0:
+                    self.counters["prompt_tokens"] += num_tokens
+                for _ in range(1, seq.num_sample_rows):
+                    rows.append(i)
+                    row_seqs.append(seq)
+        return rows, row_seqs, prompt_seqs, all_static, all_plain
+
+    def _sampling_inputs(
+        self, row_seqs: list[Seq], num_rows: int, all_static: bool, all_plain: bool
+    ) -> tuple[SamplingTensors, int | None]:
+        """The sampler's inputs for these rows, and the logprobs bucket. Built from each row's params only when
+        needed: plain greedy rows are the sampler's padding rows, and a batch of the same static rows as the
+        previous step reuses that step's inputs with each row's step count one higher."""
+        if all_plain:
+            tensors = self._plain_sampling.get(num_rows)
+            if tensors is None:
+                tensors = self._plain_sampling[num_rows] = self.runner.sampling_tensors((), num_rows)
+            return tensors, None
+        previous = self._static_sampling
+        if all_static and previous is not None and previous[0] == row_seqs and previous[2] == num_rows:
+            _, tensors, _, num_logprobs = previous
+            if tensors.steps is not None:
+                steps = tensors.steps.copy()
+                steps[: len(row_seqs)] += 1
+                tensors = tensors._replace(steps=steps)
+        else:
+            sampling_rows = [
+                SamplingRow(
+                    seq.request.params,
+                    seq.request.prompt_token_ids,
+                    seq.output_token_ids,
+                    seed,
+                    self._eos(seq),
+                    seq.request.bad_words_token_ids,
+                )
+                for seq, seed in zip(row_seqs, self._row_seeds(row_seqs), strict=True)
+            ]
+            tensors = self.runner.sampling_tensors(sampling_rows, num_rows)
+            num_logprobs = logprobs_bucket(sampling_rows)
+        self._static_sampling = (row_seqs, tensors, num_rows, num_logprobs) if all_static else None
+        return tensors, num_logprobs
+
+    def _row_seeds(self, row_seqs: list[Seq]) -> list[int]:
+        """Each row's seed: its sequence's, and for the k-th extra row of a fan-out, that of sample index + k."""
+        seeds, k = [], 0
+        for row, seq in enumerate(row_seqs):
+            k = k + 1 if row and row_seqs[row - 1] is seq else 0
+            seeds.append(self._sample_seed_for(seq.request, seq.index + k) if k else seq.seed)
+        return seeds
+
+    def _append_samples(self, row_seqs: list[Seq], result: SamplerOutput, now: float) -> list[RequestOutput]:
+        """Give each sampled row's token to its sequence, or to its beam search; returns the outputs due (every
+        advanced request's but FINAL_ONLY ones and beam searches, which report once, when done) and forgets
+        the requests that finished."""
+        targets = row_seqs
+        if any(row and row_seqs[row - 1] is seq for row, seq in enumerate(row_seqs)):
+            # parallel samples fork from the row before theirs, before any token of this step lands
+            targets = [
+                self._fork(seq) if seq.request.beam is None and row and row_seqs[row - 1] is seq else seq
+                for row, seq in enumerate(row_seqs)
+            ]
+        self.counters["generation_tokens"] += len(targets)
+        final_only = RequestOutputKind.FINAL_ONLY
+        reporting = {  # requests that report every step, in row order
+            seq.request.request_id: seq.request
+            for seq in targets
+            if seq.request.params.output_kind is not final_only and seq.request.beam is None
+        }
+        ended: dict[str, Request] = {}
+        for seq in self.outputs.append_tokens(targets, result.token_ids.tolist(), now, result):
+            self.scheduler.finish(seq)
+            ended[seq.request.request_id] = seq.request
+        if self._beam_requests:
+            ended.update(self._advance_all_beams(targets, result, now))
+        outputs = [self.outputs.request_output(request) for request in reporting.values()]
+        for request_id, request in ended.items():
+            if not request.finished:
+                continue
+            if request.beam is not None:
                 outputs.append(self.outputs.beam_search_output(request))
-            if request.finished:
-                self.requests.pop(request.request_id, None)
+                self._beam_requests.discard(request_id)
+            elif request.params.output_kind is final_only:
+                outputs.append(self.outputs.request_output(request))
+            self.requests.pop(request_id, None)
         return outputs
 
-    def _append_samples(self, row_seqs: list[Seq], result: SamplerOutput) -> dict[str, Request]:
-        """Give each sampled row's token to its sequence, or to its beam search; returns the requests touched."""
-        targets = []  # parallel samples fork from the row before theirs, before any token of this step lands
-        for row, seq in enumerate(row_seqs):
-            fork = seq.request.beam is None and row and row_seqs[row - 1] is seq
-            targets.append(self._fork(seq) if fork else seq)
-        touched: dict[str, Request] = {}
+    def _advance_all_beams(self, targets: list[Seq], result: SamplerOutput, now: float) -> dict[str, Request]:
+        """Hand each beam search its rows' top candidates; returns the searches that advanced."""
         proposals: dict[Request, dict[Seq, list[tuple[int, float]]]] = defaultdict(dict)
         for row, seq in enumerate(targets):
-            request = touched[seq.request.request_id] = seq.request
-            if seq.index == 0 and not seq.output_token_ids:
-                self.counters["prompt_tokens"] += seq.num_prompt_tokens
-            self.counters["generation_tokens"] += 1
-            if request.beam is not None:
-                k = request.beam.num_candidates
+            if seq.request.beam is not None:
+                k = seq.request.beam.num_candidates
                 ids, values = result.logprob_token_ids[row, 1 : 1 + k], result.logprobs[row, 1 : 1 + k]
-                proposals[request][seq] = list(zip(ids.tolist(), values.tolist(), strict=True))
-                continue
-            self.outputs.append_token(seq, result, row)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
+                proposals[seq.request][seq] = list(zip(ids.tolist(), values.tolist(), strict=True))
         for request, by_seq in proposals.items():
-            self._advance_beams(request, [by_seq[seq] for seq in request.seqs])
-        return touched
+            self._advance_beams(request, [by_seq[seq] for seq in request.seqs], now)
+        return {request.request_id: request for request in proposals}
 
-    def _advance_beams(self, request: Request, proposals: list[list[tuple[int, float]]]) -> None:
+    def _advance_beams(self, request: Request, proposals: list[list[tuple[int, float]]], now: float) -> None:
         """Apply one beam search decision: a beam chosen k times forks k - 1 times (sharing its blocks, copy on
         write), each new beam appends its token, and beams nobody continues are freed at once."""
         parents = request.beam.step(proposals)
@@ -277,30 +364,32 @@ class LLMEngine:
             if index not in continued:
                 self.scheduler.finish(seq)
         request.seqs = beams
-        now = time.time()
         request.first_token_time = request.first_token_time or now
         request.last_token_time = now
 
-    def _keep_beams_in_lockstep(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    def _keep_beams_in_lockstep(
+        self, seqs: list[Seq], num_new_tokens: list[int]
+    ) -> tuple[list[Seq], list[int]]:
         """The beams of a request are chosen together, so a beam samples only in a step where all its live
         siblings sample. A split step holds the sampling ones back; when a sibling is out of the running set
         (preempted), the running ones go back to waiting too, so the blocks they hold can bring it back
         (their full blocks stay cached, so the recompute is short)."""
-        sampling: dict[Request, list[ScheduledSeq]] = defaultdict(list)
-        for item in scheduled:
-            if item.samples and item.seq.request.beam is not None:
-                sampling[item.seq.request].append(item)
+        sampling: dict[Request, list[Seq]] = defaultdict(list)
+        for seq, num_new in zip(seqs, num_new_tokens, strict=True):
+            if seq.request.beam is not None and seq.num_computed_tokens + num_new == seq.num_tokens:
+                sampling[seq.request].append(seq)
         dropped: set[int] = set()
-        for request, items in sampling.items():
-            if len(items) == len(request.seqs):
+        for request, sampling_seqs in sampling.items():
+            if len(sampling_seqs) == len(request.seqs):
                 continue
-            dropped.update(item.seq.seq_id for item in items)
+            dropped.update(seq.seq_id for seq in sampling_seqs)
             if any(seq.status is not SequenceStatus.RUNNING for seq in request.seqs):
                 for seq in request.seqs:
                     if seq.status is SequenceStatus.RUNNING:
                         self._requeue(seq)
                         dropped.add(seq.seq_id)
-        return [item for item in scheduled if item.seq.seq_id not in dropped]
+        kept = [i for i, seq in enumerate(seqs) if seq.seq_id not in dropped]
+        return [seqs[i] for i in kept], [num_new_tokens[i] for i in kept]
 
     def _requeue(self, seq: Seq) -> None:
         """Recompute-preempt a running sequence: free its blocks and queue it as waiting."""
@@ -316,8 +405,7 @@ class LLMEngine:
             self.runner.write_blocks([dst for _, dst in copies], k, v)
 
     @staticmethod
-    def _computes_prompt_logprobs(item: ScheduledSeq) -> bool:
-        seq = item.seq
+    def _computes_prompt_logprobs(seq: Seq) -> bool:
         return (
             seq.request.prompt_logprobs is not None
             and seq.index == 0
@@ -386,3 +474,25 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.blocks.reset_prefix_cache()
+
+
+def _has_static_sampling(params: SamplingParams) -> bool:
+    """Whether nothing in the sampler's inputs for this request depends on what it generated."""
+    return (
+        params.min_tokens == 0
+        and not params.bad_words
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and params.repetition_penalty == 1.0
+    )
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that biases or restricts a token and no logprobs asked (penalties, bad words and
+    min_tokens are ruled out by static sampling): sampled exactly like the sampler's padding rows."""
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and params.allowed_token_ids is None
+    )

@@ -11,7 +11,7 @@ from jpaged.beam_search import BeamSearchParams
 from jpaged.config import EngineConfig
 from jpaged.engine import LLMEngine
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from jpaged.tokenizer import apply_chat_template
 
 PromptType = str | Sequence[int]
@@ -35,14 +35,21 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (a str, a list of str, or a list of token-id lists)."""
+        """Outputs in the order of `prompts` (a str, a list of str, or a list of token-id lists).
+
+        Only final outputs are read, so every request runs as FINAL_ONLY (on a copy of its params)."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [_final_only(sampling_params or SamplingParams())] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+            finals: dict[int, SamplingParams] = {}  # one copy per distinct params object
+            for p in params:
+                if id(p) not in finals:
+                    finals[id(p)] = _final_only(p)
+            params = [finals[id(p)] for p in params]
         return self._add_and_run(prompts, params, use_tqdm)
 
     def beam_search(
@@ -115,6 +122,14 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[i] for i in request_ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

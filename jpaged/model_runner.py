@@ -1,6 +1,6 @@
 """From a schedule to one jitted device step: pad to a shape bucket, run, bring back only the sampled tokens.
 
-Shapes are bucketed (tokens T and sequences S in powers of two) so the step compiles once per bucket at warm-up;
+Shapes are bucketed (tokens T and sequences S; see step_shapes.py) so the step compiles once per bucket at warm-up;
 every compiled executable is kept in a table keyed by its shapes, so a compilation after warm-up is counted and
 logged, never silent. The KV cache is donated: XLA updates it in place.
 """
@@ -8,6 +8,7 @@ logged, never silent. The KV cache is donated: XLA updates it in place.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import time
@@ -22,7 +23,7 @@ from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
-from jpaged.models.llama import KVCache, StepBatch, forward, init_kv_cache
+from jpaged.models.llama import KVCache, StepBatch, device_params, forward, init_kv_cache
 from jpaged.pallas import get_attention_fn
 from jpaged.sampler import (
     SamplerOutput,
@@ -32,28 +33,10 @@ from jpaged.sampler import (
     gather_logprobs,
     sample,
 )
-from jpaged.scheduler import ScheduledSeq
+from jpaged.sequence import Sequence as Seq
+from jpaged.step_shapes import StepShapes
 
 logger = logging.getLogger(__name__)
-
-MIN_TOKEN_BUCKET = 16
-MIN_SEQ_BUCKET = 8
-
-
-def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """smallest, 2 * smallest, ... and `largest` itself (which need not be a power of two)."""
-    buckets, size = [], min(smallest, largest)
-    while size < largest:
-        buckets.append(size)
-        size *= 2
-    return (*buckets, largest)
-
-
-def _bucket(buckets: Sequence[int], size: int) -> int:
-    for b in buckets:
-        if b >= size:
-            return b
-    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
 
 
 def _step(
@@ -85,6 +68,11 @@ def _step(
     return kv_cache, sampled, gather_logprobs(logits[num_rows:], prompt_targets, num_prompt_logprobs)
 
 
+def _step_params(params: dict) -> dict:
+    """The params layout the step reads: on CPU each layer's matrices as separate arrays (llama.device_params)."""
+    return device_params(params) if jax.default_backend() == "cpu" else params
+
+
 def enable_compilation_cache(directory: str | None) -> None:
     """JAX's persistent compilation cache, so a restarted server skips most of its warm-up compiles."""
     if jax.config.jax_compilation_cache_dir:
@@ -92,6 +80,19 @@ def enable_compilation_cache(directory: str | None) -> None:
     path = Path(directory) if directory else Path.home() / ".cache" / "jpaged" / "xla"
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def step_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int) -> SamplingTensors:
+    """Per-row sampling arrays, always with keys and top-k/top-p (an all-greedy batch skips the draw on
+    device), so greedy and sampled batches share one compiled program per shape."""
+    tensors = build_sampling_tensors(rows, num_rows, vocab_size)
+    if tensors.keys is None:
+        tensors = tensors._replace(
+            keys=np.zeros((num_rows, 2), np.uint32), steps=np.zeros(num_rows, np.int32)
+        )
+    if tensors.top_k is None:
+        tensors = tensors._replace(top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32))
+    return tensors
 
 
 class ModelRunner:
@@ -109,10 +110,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.dtype = jnp.dtype(params["embed"].dtype)
-        self.params = jax.device_put(params)
+        self.params = jax.device_put(_step_params(params))
         self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.dtype)
-        self.token_buckets = power_of_two_buckets(MIN_TOKEN_BUCKET, config.max_num_batched_tokens)
-        self.seq_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, config.max_num_seqs)
+        self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)
         attention = get_attention_fn(
             config.attention_impl,
             num_kv_heads=model_config.num_kv_heads,
@@ -131,36 +131,47 @@ class ModelRunner:
 
     def prepare(
         self,
-        scheduled: Sequence[ScheduledSeq],
-        block_tables: Sequence[Sequence[int]],
+        seqs: Sequence[Seq],
+        num_new_tokens: Sequence[int],
+        block_tables: np.ndarray,
         sample_rows: Sequence[int],
         prompt_logprob_seqs: Sequence[int] = (),
     ) -> tuple[StepBatch, int, np.ndarray | None]:
-        """Flat padded arrays for the scheduled sequences; `sample_rows[i]` is the scheduled index of sampled row i.
+        """Flat padded arrays for the scheduled sequences (seqs[i] computes num_new_tokens[i] tokens from its
+        num_computed_tokens on, with the block table in row i of `block_tables` [S', W], padded with the null
+        block 0); `sample_rows[i]` is the scheduled index of sampled row i.
 
         `prompt_logprob_seqs` (scheduled indices) want prompt logprobs: then the batch asks for every token's
         logits too, and the third result [T] holds each of their tokens' next prompt token (the target of its
         logprob), else None."""
-        num_seqs = len(scheduled)
-        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, num_seqs)
-        computed = np.fromiter((s.seq.num_computed_tokens for s in scheduled), np.int32, num_seqs)
-        num_tokens = int(num_new.sum())
-        t_bucket = _bucket(self.token_buckets, num_tokens)
-        s_bucket = _bucket(self.seq_buckets, max(num_seqs, len(sample_rows)))
+        num_seqs = len(seqs)
+        computed_counts = [seq.num_computed_tokens for seq in seqs]
+        num_new = np.array(num_new_tokens, np.int32)
+        computed = np.array(computed_counts, np.int32)
+        num_tokens = sum(num_new_tokens)
+        t_bucket, s_bucket = self.shapes.shape_for(num_tokens, max(num_seqs, len(sample_rows)))
         query_start = np.full(s_bucket + 1, num_tokens, np.int32)
         query_start[0] = 0
         np.cumsum(num_new, out=query_start[1 : num_seqs + 1])
-        seq_of_token = np.repeat(np.arange(num_seqs), num_new)
-        positions = np.zeros(t_bucket, np.int32)
-        positions[:num_tokens] = np.arange(num_tokens) - query_start[seq_of_token] + computed[seq_of_token]
         token_ids = np.zeros(t_bucket, np.int32)
-        if num_tokens:
-            token_ids[:num_tokens] = np.concatenate(
-                [s.seq.token_ids[c : c + n] for s, c, n in zip(scheduled, computed, num_new, strict=True)]
+        positions = np.zeros(t_bucket, np.int32)
+        if num_tokens == num_seqs and max(num_new_tokens, default=0) == 1:  # decodes only: one token each
+            seq_of_token = np.arange(num_seqs)
+            positions[:num_tokens] = computed
+            token_ids[:num_tokens] = [seq.token_ids[c] for seq, c in zip(seqs, computed_counts, strict=True)]
+        else:
+            seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+            positions[:num_tokens] = (
+                np.arange(num_tokens) - query_start[seq_of_token] + computed[seq_of_token]
             )
+            chunks = (
+                seq.token_ids[c : c + n]
+                for seq, c, n in zip(seqs, computed_counts, num_new_tokens, strict=True)
+            )
+            token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(chunks), np.int32, num_tokens)
         tables = np.zeros((s_bucket, self.max_blocks_per_seq), np.int32)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = table
+        width = min(block_tables.shape[1], self.max_blocks_per_seq)  # columns past P are padding
+        tables[:num_seqs, :width] = block_tables[:, :width]
         slot_mapping = np.zeros(t_bucket, np.int32)
         live = positions[:num_tokens]
         slot_mapping[:num_tokens] = (
@@ -175,7 +186,7 @@ class ModelRunner:
             logits_indices = np.concatenate([logits_indices, np.arange(t_bucket, dtype=np.int32)])
             prompt_targets = np.zeros(t_bucket, np.int32)
             for i in prompt_logprob_seqs:
-                seq, start, first = scheduled[i].seq, query_start[i], computed[i]
+                seq, start, first = seqs[i], query_start[i], computed[i]
                 prompt = seq.request.prompt_token_ids
                 # Tokens at positions first .. len(prompt) - 2 have a next prompt token; the last one has none.
                 count = max(0, min(int(num_new[i]), len(prompt) - 1 - first))
@@ -193,14 +204,7 @@ class ModelRunner:
         return batch, s_bucket, prompt_targets
 
     def sampling_tensors(self, rows: Sequence[SamplingRow], num_rows: int) -> SamplingTensors:
-        """Per-row sampling arrays; sampled batches always carry top-k/top-p so greedy and sampled are the
-        only two plain variants to compile."""
-        tensors = build_sampling_tensors(rows, num_rows, self.model_config.vocab_size)
-        if tensors.keys is not None and tensors.top_k is None:
-            tensors = tensors._replace(
-                top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32)
-            )
-        return tensors
+        return step_sampling_tensors(rows, num_rows, self.model_config.vocab_size)
 
     # ---- device step ----
 
@@ -249,17 +253,14 @@ class ModelRunner:
         return lowered.compile()
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every (T, S) bucket pair that can occur, greedy and sampled, one compile per core at a time
+        """Compile every (T, S) bucket pair that can occur, one compile per core at a time
         (XLA compiles outside the GIL); returns the seconds taken."""
         start = time.perf_counter()
-        pairs = [
-            (t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t or s == self.seq_buckets[0]
-        ]
         jobs = []
-        for t, s in pairs:
+        for t, s in self.shapes.all_shapes():
             batch = _dummy_batch(t, s, self.max_blocks_per_seq)
-            for tensors in (self.sampling_tensors([], s), _sampled_dummy(self, s)):
-                jobs.append((self.params, self.kv_cache, batch, tensors, np.zeros((s, 2), np.int32), None))
+            tensors = self.sampling_tensors([], s)
+            jobs.append((self.params, self.kv_cache, batch, tensors, np.zeros((s, 2), np.int32), None))
         with (
             ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
             tqdm(total=len(jobs), desc="warm-up (compiling step shapes)", disable=not progress) as bar,
@@ -306,7 +307,7 @@ def activation_peak_bytes(
     cache = KVCache(*(jax.ShapeDtypeStruct(cache_shape, dtype) for _ in range(2)))
     tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
     batch = _dummy_batch(tokens, seqs, -(-max_model_len // config.block_size))
-    sampling = build_sampling_tensors([], seqs, model_config.vocab_size)
+    sampling = step_sampling_tensors([], seqs, model_config.vocab_size)
     attention = get_attention_fn(
         config.attention_impl,
         num_kv_heads=model_config.num_kv_heads,
@@ -318,7 +319,9 @@ def activation_peak_bytes(
         _step, config=model_config, attention=attention, num_logprobs=None, num_prompt_logprobs=None
     )
     copies = np.zeros((seqs, 2), np.int32)
-    compiled = jax.jit(step).lower(abstract(params), cache, batch, sampling, copies, None).compile()
+    compiled = (
+        jax.jit(step).lower(abstract(_step_params(params)), cache, batch, sampling, copies, None).compile()
+    )
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0
 
@@ -338,14 +341,4 @@ def _dummy_batch(num_tokens: int, num_seqs: int, width: int) -> StepBatch:
         zeros(num_seqs),
         np.array([0], np.int32),
         zeros(num_seqs),
-    )
-
-
-def _sampled_dummy(runner: ModelRunner, num_rows: int) -> SamplingTensors:
-    plain = runner.sampling_tensors([], num_rows)
-    return plain._replace(
-        keys=np.zeros((num_rows, 2), np.uint32),
-        steps=np.zeros(num_rows, np.int32),
-        top_k=np.zeros(num_rows, np.int32),
-        top_p=np.ones(num_rows, np.float32),
     )

@@ -1,15 +1,20 @@
-"""After each step: append sampled tokens, record logprobs, detokenise, apply vLLM's stop rules, build outputs."""
+"""After each step: append sampled tokens, record logprobs, detokenise, apply vLLM's stop rules, build outputs.
+
+Outputs follow the request's `output_kind` (vLLM's RequestOutputKind): CUMULATIVE and DELTA produce one
+RequestOutput per step, FINAL_ONLY one at the end. A FINAL_ONLY request without stop strings has nobody reading
+its text before it finishes, so it is decoded once then (`decode_output`), not token by token.
+"""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from jpaged.detokenizer import IncrementalDetokenizer
+from jpaged.detokenizer import IncrementalDetokenizer, decode_output
 from jpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jpaged.sampler import SamplerOutput
+from jpaged.sampling_params import RequestOutputKind
 from jpaged.sequence import Request
 from jpaged.sequence import Sequence as Seq
 
@@ -21,46 +26,86 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def attach(self, seq: Seq) -> None:
-        """Give a new sequence its detokeniser (a fork continues from a copy of its parent's)."""
+        """Give a new sequence its incremental detokeniser when its text is read (streamed, or searched for stop
+        strings) before it finishes; a fork continues from a fresh one fed its parent's tokens."""
         params = seq.request.params
-        if params.detokenize:
+        if params.detokenize and (params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY):
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.request.prompt_token_ids, params)
-            if seq.output_token_ids:
+            if len(seq.token_ids) > seq.num_prompt_tokens:
                 seq.text = seq.detokenizer.add_tokens(seq.output_token_ids)
 
-    def append_token(self, seq: Seq, result: SamplerOutput, row: int) -> None:
-        token = int(result.token_ids[row])
-        seq.token_ids.append(token)
-        params, request = seq.request.params, seq.request
-        now = time.time()
-        request.first_token_time = request.first_token_time or now
-        request.last_token_time = now
-        if result.logprobs is not None and params.logprobs is not None:
-            seq.logprobs.append(
-                self._logprobs_entry(
-                    result.logprob_token_ids[row],
-                    result.logprobs[row],
-                    result.sampled_rank[row],
-                    params.logprobs,
-                )
+    def append_tokens(
+        self, seqs: Sequence[Seq], tokens: Sequence[int], now: float, result: SamplerOutput | None = None
+    ) -> list[Seq]:
+        """Append row i's token to seqs[i] and apply the stop rules; returns the sequences that finished.
+
+        Rows of beam searches are skipped (their tokens are the search's to place). `result` supplies logprobs
+        where asked; `now` is the step's clock reading. One call per step, as its loop runs for every token."""
+        finished = []
+        eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
+        with_logprobs = result is not None and result.logprobs is not None
+        for row, seq in enumerate(seqs):
+            request = seq.request
+            if request.beam is not None:
+                continue
+            token = tokens[row]
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            params = request.params
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            if with_logprobs and params.logprobs is not None:
+                self._append_logprobs(seq, result, row)
+            detokenizer = seq.detokenizer
+            if detokenizer is not None:
+                seq.text += detokenizer.add_tokens((token,))
+            num_tokens = len(token_ids)
+            num_output = num_tokens - len(request.prompt_token_ids)
+            if num_output >= params.min_tokens:
+                if token in eos_token_ids and not params.ignore_eos:
+                    seq.finish_reason = "stop"
+                elif params.stop_token_ids and token in params.stop_token_ids:
+                    seq.finish_reason, seq.stop_reason = "stop", token
+                elif detokenizer is not None and detokenizer.stop_reason is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", detokenizer.stop_reason
+            if seq.finish_reason is None and (
+                num_tokens >= max_model_len
+                or (params.max_tokens is not None and num_output >= params.max_tokens)
+            ):
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                self._finish_text(seq)
+                finished.append(seq)
+        return finished
+
+    def _append_logprobs(self, seq: Seq, result: SamplerOutput, row: int) -> None:
+        seq.logprobs.append(
+            self._logprobs_entry(
+                result.logprob_token_ids[row],
+                result.logprobs[row],
+                result.sampled_rank[row],
+                seq.request.params.logprobs,
             )
-            seq.cumulative_logprob += float(result.logprobs[row, 0])
+        )
+        seq.cumulative_logprob += float(result.logprobs[row, 0])
+
+    def abort(self, seq: Seq) -> None:
+        """End a sequence that has not finished with finish_reason 'abort'. Its text is what was streamed: an
+        incremental detokeniser keeps what it held back; a deferred one decodes what there is."""
+        if seq.finish_reason is None:
+            seq.finish_reason = "abort"
+            if seq.detokenizer is None:
+                self._finish_text(seq)
+
+    def _finish_text(self, seq: Seq) -> None:
+        params = seq.request.params
         if seq.detokenizer is not None:
-            seq.text += seq.detokenizer.add_tokens([token])
-        num_output = len(seq.output_token_ids)
-        if num_output >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                seq.finish_reason = "stop"
-            elif token in (params.stop_token_ids or ()):
-                seq.finish_reason, seq.stop_reason = "stop", token
-            elif seq.detokenizer is not None and seq.detokenizer.stop_reason is not None:
-                seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
-        if seq.finish_reason is None and (
-            num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None and seq.detokenizer is not None:
             seq.text += seq.detokenizer.finish()
+        elif params.detokenize:
+            seq.text = decode_output(
+                self.tokenizer, seq.request.prompt_token_ids, seq.output_token_ids, params
+            )
 
     def record_prompt_logprobs(
         self,
@@ -93,25 +138,42 @@ class OutputProcessor:
         return entry
 
     def request_output(self, request: Request) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
+        """The request's output now: everything so far, or for DELTA what is new since its previous output (the
+        sequences with new tokens or just aborted; prompt logprobs in the first output only)."""
+        params = request.params
+        delta = params.output_kind is RequestOutputKind.DELTA
+        with_logprobs = params.logprobs is not None
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is not None:
+            sent = delta and any(seq.num_emitted_tokens for seq in request.seqs)
+            prompt_logprobs = None if sent else list(prompt_logprobs)
+        outputs = []
+        for seq in request.seqs:
+            token_ids, text, logprobs = seq.output_token_ids, seq.text, seq.logprobs
+            if delta:
+                num_tokens, num_chars = seq.num_emitted_tokens, seq.num_emitted_chars
+                if len(token_ids) == num_tokens and seq.finish_reason != "abort":
+                    continue
+                seq.num_emitted_tokens, seq.num_emitted_chars = len(token_ids), len(text)
+                token_ids, text, logprobs = token_ids[num_tokens:], text[num_chars:], logprobs[num_tokens:]
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=token_ids,
+                    cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+                    logprobs=list(logprobs) if with_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
             )
-            for seq in request.seqs
-        ]
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=list(request.prompt_token_ids),
             outputs=outputs,
-            finished=request.finished or all(o.finish_reason is not None for o in outputs),
-            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+            finished=request.finished or all(seq.finish_reason is not None for seq in request.seqs),
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
             metrics=_metrics(request),
         )

@@ -8,6 +8,7 @@ ValueError naming the field. Validation against the vocabulary needs the model, 
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -16,6 +17,14 @@ SAMPLING_EPS = 1e-5  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures overflow softmax; vLLM raises them to this
 MAX_LOGPROBS = 20  # top-k logprobs cap (OpenAI's limit); the sampler's static buckets go up to it
 MAX_LOGIT_BIAS = 100.0  # OpenAI/vLLM clamp logit_bias values to [-100, 100]
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request produces (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = 0  # after every step, everything generated so far
+    DELTA = 1  # after every step, only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes: no per-step outputs, text decoded once at the end
 
 
 class Tokenizer(Protocol):
@@ -48,6 +57,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._verify_types()
@@ -118,6 +128,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                 raise ValueError(f"{name} must contain only ints, got {value!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.logit_bias is not None:
             try:
                 {int(k): float(v) for k, v in self.logit_bias.items()}

@@ -20,19 +20,13 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the sequence's last known token, so a new one is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    """One step's plan. The scheduled sequences are two parallel lists (no object per sequence: the scheduler
+    builds this for every running sequence every step): seqs[i] computes num_new_tokens[i] tokens from its
+    num_computed_tokens on, and samples a new token when that reaches its last known token."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
@@ -40,7 +34,11 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
 
 
 class Scheduler:
@@ -83,27 +81,35 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        running, allocate_slots = self.running, self.blocks.allocate_slots
+        scheduled_seqs, scheduled_counts = out.seqs, out.num_new_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
-                victim = self.running.pop()
+        while i < len(running) and budget > 0:  # the hot loop (every running sequence, every step): kept lean
+            seq = running[i]
+            computed = seq.num_computed_tokens
+            num_new = len(seq.token_ids) - computed
+            if num_new > budget:
+                num_new = budget
+            while not allocate_slots(seq.seq_id, computed, num_new):
+                victim = running.pop()
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                scheduled_seqs.append(seq)
+                scheduled_counts.append(num_new)
                 budget -= num_new
                 i += 1
-        if not out.preempted:
-            budget = self._schedule_swapped(out, budget)
-            self._schedule_waiting(out, budget)
+        if not out.preempted and (self.swapped or self.waiting):
+            slots = self.config.max_num_seqs - sum(s.fan_out for s in running)
+            budget, slots = self._schedule_swapped(out, budget, slots)
+            self._schedule_waiting(out, budget, slots)
         out.copies = self.blocks.take_pending_copies()
         return out
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and self._has_slots_for(self.swapped[0]):
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, slots: int) -> tuple[int, int]:
+        """Bring swapped sequences back while the budget and the free sequence slots allow; returns both left."""
+        while self.swapped and budget > 0 and self.swapped[0].fan_out <= slots:
             seq = self.swapped[0]
             if not self.blocks.can_swap_in(seq.seq_id):
                 break
@@ -111,15 +117,17 @@ class Scheduler:
             self.swapped.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.priority_key)
+            slots -= seq.fan_out
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
                 break  # back on device; it gets its slot next step
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.add(seq, num_new)
             budget -= num_new
-        return budget
+        return budget, slots
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and self._has_slots_for(self.waiting[0]):
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, slots: int) -> None:
+        """Admit waiting prompts (chunked if need be) while the budget and the free sequence slots allow."""
+        while self.waiting and budget > 0 and self.waiting[0].fan_out <= slots:
             seq = self.waiting[0]
             if not seq.prefix_matched:
                 seq.num_computed_tokens = self.blocks.match_prefix(
@@ -138,7 +146,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.priority_key)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            slots -= seq.fan_out
+            out.add(seq, num_new)
             budget -= num_new
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -161,10 +170,6 @@ class Scheduler:
                 seq.seq_id,
                 "swap" if swap else "recompute",
             )
-
-    def _has_slots_for(self, seq: Sequence) -> bool:
-        used = sum(s.fan_out for s in self.running)
-        return used + seq.fan_out <= self.config.max_num_seqs
 
     def _release(self, seq: Sequence) -> None:
         if self.blocks.has_seq(seq.seq_id):

@@ -37,6 +37,15 @@ class Request:
     beam: BeamSearch | None = None  # set for a beam search; its live beams are `seqs`, in the search's order
     # With prompt_logprobs: None for the first prompt token, then one dict per prompt token once computed.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    bad_words_token_ids: list[list[int]] = field(
+        default_factory=list
+    )  # from sampling_params.tokenize_bad_words
+    # Set by the engine when the request arrives. Static: its sampling inputs stay the same from step to step,
+    # but for the step count (nothing depends on its outputs: no penalties, bad words or min_tokens; not a
+    # beam). Plain greedy: static and sampled exactly like the sampler's padding rows (greedy, nothing biasing
+    # it, no logprobs), so its rows need no sampling inputs of their own.
+    static_sampling: bool = False
+    plain_greedy: bool = False
 
     @property
     def finished(self) -> bool:
@@ -64,6 +73,8 @@ class Sequence:
     )
     detokenizer: Any = None
     seed: int = 0
+    num_emitted_tokens: int = 0  # output tokens (and characters of `text`) already sent in DELTA outputs
+    num_emitted_chars: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +92,11 @@ class Sequence:
     def fan_out(self) -> int:
         """Sequence slots it holds against max_num_seqs: until a request's first token, all the sequences it
         will fork into there (n samples, or beam_width beams); else 1."""
-        first = self.index == 0 and len(self.request.seqs) == 1 and self.num_tokens == self.num_prompt_tokens
+        first = (  # the length test first: it is the one that fails for every decode
+            len(self.token_ids) == len(self.request.prompt_token_ids)
+            and self.index == 0
+            and len(self.request.seqs) == 1
+        )
         if not first:
             return 1
         return self.request.params.n if self.request.beam is None else self.request.beam.params.beam_width

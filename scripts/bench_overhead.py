@@ -1,10 +1,18 @@
 """Host time per engine step (schedule + batch preparation + output processing), device step excluded.
 
 The model runner's device call is replaced by one that returns random tokens at once, so what is timed is the
-Python around it: the scheduler, the block manager, building the padded arrays and sampling tensors, appending
-tokens, detokenising, stop checks. Decode steps of N running sequences (64-token prompts), median of the steps.
+Python around it: the scheduler, the block manager, building the padded arrays and sampling inputs, appending
+tokens, detokenising, stop checks, building outputs. Median of the decode steps of N running sequences.
 
-  python scripts/bench_overhead.py                       # N = 32, 128, 256
+Config per N: max_num_seqs=N, max_num_batched_tokens=max(512, N), max_model_len=512, num_blocks=1 + 32 N (every
+sequence can reach max_model_len: nothing is preempted), the default model's vocabulary; N requests of 64 random
+prompt tokens, max_tokens=250, ignore_eos, the given temperature. Every timed step runs all
+N sequences as decodes (checked). Output kinds: FINAL_ONLY is what LLM.generate uses (one output per request, its
+text decoded once at the end); CUMULATIVE is what the server streams (an output per request per step, incremental
+detokenisation of every token).
+
+  python scripts/bench_overhead.py                                   # N = 32, 128, 256; both output kinds
+  python scripts/bench_overhead.py --sizes 256 --temperature 1.0     # sampled rows
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", default="32,128,256")
+    parser.add_argument("--output-kinds", default="FINAL_ONLY,CUMULATIVE")
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
 
@@ -44,44 +54,59 @@ def main() -> None:
     from jpaged.engine import LLMEngine
     from jpaged.models.loader import load_model
     from jpaged.sampler import SamplerOutput
-    from jpaged.sampling_params import SamplingParams
+    from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
     model = load_model(None, progress=False)
     rng = np.random.default_rng(0)
-    print("| running sequences | host ms / step | schedule | prepare | execute (stub) + outputs |")
-    print("|---|---|---|---|---|")
+    print(f"temperature {args.temperature}")
+    print(
+        "| running sequences | output kind | host ms / step | schedule | prepare | execute (stub) + outputs |"
+    )
+    print("|---|---|---|---|---|---|")
     for size in map(int, args.sizes.split(",")):
-        config = EngineConfig(
-            max_num_seqs=size,
-            max_num_batched_tokens=max(512, size),
-            max_model_len=512,
-            num_blocks=1 + size * 32,
-            enforce_eager=True,
-        )
-        engine = LLMEngine(config, model=model)
-        timings: dict[str, list[float]] = {"schedule": [], "prepare": []}
+        for kind in args.output_kinds.split(","):
+            config = EngineConfig(
+                max_num_seqs=size,
+                max_num_batched_tokens=max(512, size),
+                max_model_len=512,
+                num_blocks=1 + size * 32,
+                enforce_eager=True,
+            )
+            engine = LLMEngine(config, model=model)
+            timings: dict[str, list[float]] = {"schedule": [], "prepare": []}
 
-        def stub_execute(batch, sampling, copies, num_logprobs, *rest, **kwargs):
-            rows = batch.kv_lens.shape[0]
-            return SamplerOutput(rng.integers(100, 40000, rows).astype(np.int32), None, None, None), None
+            def stub_execute(batch, sampling, copies, num_logprobs, *rest, **kwargs):
+                rows = batch.kv_lens.shape[0]
+                return SamplerOutput(rng.integers(100, 40000, rows).astype(np.int32), None, None, None), None
 
-        engine.scheduler.schedule = timed(timings["schedule"], engine.scheduler.schedule)
-        engine.runner.prepare = timed(timings["prepare"], engine.runner.prepare)
-        engine.runner.execute = stub_execute
-        params = SamplingParams(max_tokens=10_000 // 40, temperature=0.0, ignore_eos=True)
-        for i in range(size):
-            engine.add_request(f"r{i}", list(map(int, rng.integers(100, 40000, 64))), params)
-        while engine.scheduler.waiting or any(s.num_computed_tokens < 64 for s in engine.scheduler.running):
-            engine.step()
-        for name in timings:
-            timings[name].clear()
-        totals = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            engine.step()
-            totals.append(time.perf_counter() - start)
-        total, schedule, prepare = (statistics.median(v) * 1e3 for v in (totals, *timings.values()))
-        print(f"| {size} | {total:.2f} | {schedule:.2f} | {prepare:.2f} | {total - schedule - prepare:.2f} |")
+            engine.scheduler.schedule = timed(timings["schedule"], engine.scheduler.schedule)
+            engine.runner.prepare = timed(timings["prepare"], engine.runner.prepare)
+            engine.runner.execute = stub_execute
+            params = SamplingParams(
+                max_tokens=250,
+                temperature=args.temperature,
+                ignore_eos=True,
+                output_kind=RequestOutputKind[kind],
+            )
+            for i in range(size):
+                engine.add_request(f"r{i}", list(map(int, rng.integers(100, 40000, 64))), params)
+            while engine.scheduler.waiting or any(
+                s.num_computed_tokens < 64 for s in engine.scheduler.running
+            ):
+                engine.step()
+            for name in timings:
+                timings[name].clear()
+            totals = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                engine.step()
+                totals.append(time.perf_counter() - start)
+                if len(engine.scheduler.running) != size or engine.scheduler.waiting:
+                    raise RuntimeError(f"a timed step did not run all {size} sequences")
+            total, schedule, prepare = (statistics.median(v) * 1e3 for v in (totals, *timings.values()))
+            print(
+                f"| {size} | {kind} | {total:.2f} | {schedule:.2f} | {prepare:.2f} | {total - schedule - prepare:.2f} |"
+            )
     print("\ncommand: python scripts/bench_overhead.py " + " ".join(sys.argv[1:]))
 
 

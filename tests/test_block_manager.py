@@ -142,6 +142,22 @@ def test_fork_copies_shared_partial_block_on_write():
     assert manager.take_pending_copies() == []
 
 
+def test_block_tables_array_follows_growth_copy_on_write_swap_and_free():
+    manager = BlockManager(num_blocks=400, block_size=2, num_swap_blocks=40)
+    for seq_id in range(70):  # more sequences than the array's first rows
+        assert manager.allocate_slots(seq_id, 0, 3)
+    assert manager.allocate_slots(0, 3, 40)  # 22 blocks: wider than its first columns
+    manager.fork(1, 100)
+    assert manager.allocate_slots(100, 3, 1)  # copy-on-write replaces the shared partial block
+    manager.swap_out(2)
+    manager.free(3)
+    assert manager.allocate_slots(200, 0, 1)  # may reuse the freed sequence's row
+    seq_ids = [0, 1, 100, 2, 200, 69]
+    for seq_id, row in zip(seq_ids, manager.block_tables(seq_ids), strict=True):
+        table = [] if seq_id == 2 else manager.block_table(seq_id)  # swapped out: no device blocks
+        assert list(row[: len(table)]) == table and not row[len(table) :].any()
+
+
 def test_copy_on_write_needs_a_free_block():
     manager = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
     assert manager.allocate_slots(1, 0, 6)

@@ -198,6 +198,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(self.manager.block_table(seq_id)) == ceil_blocks(seq.computed)
 
     @invariant()
+    def table_rows_mirror_the_block_tables(self) -> None:
+        """The array the runner gathers tables from holds each running sequence's table, padded with null."""
+        seq_ids = list(self.running)
+        rows = self.manager.block_tables(seq_ids)
+        for seq_id, row in zip(seq_ids, rows, strict=True):
+            table = self.manager.block_table(seq_id)
+            assert list(row[: len(table)]) == table and not row[len(table) :].any()
+
+    @invariant()
     def every_sequence_reads_back_its_own_tokens(self) -> None:
         for seq_id, seq in self.running.items():
             table = self.manager.block_table(seq_id)

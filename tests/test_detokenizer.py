@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
+import random
 
 import pytest
 
-from jpaged.detokenizer import IncrementalDetokenizer
+from jpaged.detokenizer import IncrementalDetokenizer, decode_output, decoder_for
 from jpaged.sampling_params import SamplingParams
 
 THAI = "สวัสดีครับ ยินดีต้อนรับสู่ประเทศไทย"
@@ -125,3 +127,54 @@ def test_detokenize_false_produces_no_text(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(detokenize=False))
     assert detok.add_tokens(tokenizer.encode("hello", add_special_tokens=False)) == ""
     assert detok.finish() == "" and detok.text == ""
+
+
+@pytest.mark.parametrize("text", [THAI, CHINESE, EMOJI, "ok 🦙"])
+@pytest.mark.parametrize("cut", [0, 1])
+def test_decoding_the_whole_output_once_gives_the_incremental_text(tokenizer, text, cut):
+    """What FINAL_ONLY requests get instead of streaming: the same text, even when the output ends inside a
+    character (`cut` drops the last token)."""
+    prompt = tokenizer.encode("สวัสดี 🦙", add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)[: -cut or None]
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    incremental = "".join(detok.add_tokens([i]) for i in ids) + detok.finish()
+    assert decode_output(tokenizer, prompt, ids, SamplingParams()) == incremental
+
+
+def test_decoding_random_tokens_once_gives_the_incremental_text(tokenizer):
+    """Random ids put stray UTF-8 bytes anywhere; both ways must replace and drop them alike."""
+    rng = random.Random(0)
+    for _ in range(20):
+        prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(0, 8))]
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 40))]
+        params = SamplingParams(skip_special_tokens=rng.random() < 0.5)
+        detok = IncrementalDetokenizer(tokenizer, prompt, params)
+        incremental = "".join(detok.add_tokens([i]) for i in ids) + detok.finish()
+        assert decode_output(tokenizer, prompt, ids, params) == incremental
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_direct_rust_decode_equals_the_tokenizers_decode(tokenizer, skip):
+    """Streaming calls the Rust tokenizer directly when transformers would do nothing else."""
+    rng = random.Random(1)
+    bypassed = copy.copy(tokenizer)
+    bypassed.decode = lambda *args, **kwargs: pytest.fail("decoded through transformers")
+    decode = decoder_for(bypassed, SamplingParams(skip_special_tokens=skip))
+    for _ in range(50):
+        ids = [
+            rng.randrange(tokenizer.vocab_size) if rng.random() < 0.9 else rng.randrange(4) for _ in range(12)
+        ]
+        assert decode(ids) == tokenizer.decode(
+            ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+        )
+
+
+def test_a_tokenizer_that_overrides_decode_keeps_its_own(tokenizer):
+    class Shouting(type(tokenizer)):
+        def decode(self, *args, **kwargs):
+            return super().decode(*args, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    ids = tokenizer.encode("quiet words", add_special_tokens=False)
+    assert decoder_for(shouting, SamplingParams())(ids) == "QUIET WORDS"

@@ -11,6 +11,7 @@ from conftest import hf_model
 from greedy import assert_same_greedy
 
 from jpaged import LLM, SamplingParams
+from jpaged.sampling_params import tokenize_bad_words
 
 PROMPTS = [
     "The capital of France is",
@@ -78,6 +79,16 @@ def test_chat_template_answers_the_capital_of_france(llm):
     )[0]
     assert "Paris" in output.outputs[0].text
     assert output.outputs[0].finish_reason == "stop"  # <|im_end|> ends the turn
+
+
+def test_bad_words_are_never_generated(llm):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    output = llm.chat(question, SamplingParams(max_tokens=24, temperature=0, bad_words=["Paris"]))[0]
+    banned = tokenize_bad_words(["Paris"], llm.tokenizer)
+    tokens = output.outputs[0].token_ids
+    for word in banned:
+        assert not any(tokens[i : i + len(word)] == word for i in range(len(tokens)))
+    assert "Paris" not in output.outputs[0].text
 
 
 def test_prompt_longer_than_max_model_len_names_both_lengths(llm):

@@ -47,6 +47,7 @@ def test_defaults_match_vllm():
         ("logit_bias", {"x": 1.0}),
         ("bad_words", [""]),
         ("seed", 1.5),
+        ("output_kind", "delta"),
     ],
 )
 def test_invalid_value_raises_naming_the_field(field, value):
