@@ -107,3 +107,16 @@ def hf_logits(model_dir: Path, token_ids: list[int]) -> np.ndarray:
     model = hf_model(model_dir)
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].numpy()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_dir):
+    """The tiny random Llama, loaded once for every engine-level test that needs a fast model."""
+    from jpaged.models.loader import load_model
+
+    return load_model(str(tiny_llama_dir), progress=False)

@@ -4,28 +4,16 @@ temperature 0 is greedy, and streamed Thai text never shows a broken character."
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from conftest import hf_logits
 from engine_driver import run_requests
 
 from jpaged.config import EngineConfig
 from jpaged.detokenizer import REPLACEMENT_CHAR
 from jpaged.engine import LLMEngine
-from jpaged.models.loader import load_model
 from jpaged.sampling_params import SamplingParams
 
 LONG_PROMPT = [(5 * i * i + 17 * i + 3) % 49152 for i in range(100)]  # 6 full blocks and 4 tokens of a 7th
 ARGS = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, num_blocks=96, enforce_eager=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def tiny(model_dir):
-    return load_model(str(model_dir), progress=False)
 
 
 def make(model, **overrides) -> LLMEngine:
@@ -36,8 +24,8 @@ def used_blocks(engine: LLMEngine) -> int:
     return engine.blocks.num_total_blocks - engine.blocks.num_free_blocks
 
 
-def test_four_samples_allocate_the_prompt_blocks_once_and_differ(tiny):
-    one, four = make(tiny), make(tiny)
+def test_four_samples_allocate_the_prompt_blocks_once_and_differ(tiny_llama):
+    one, four = make(tiny_llama), make(tiny_llama)
     one.add_request("a", LONG_PROMPT, SamplingParams(n=1, max_tokens=8, seed=0, ignore_eos=True))
     four.add_request("a", LONG_PROMPT, SamplingParams(n=4, max_tokens=8, seed=0, ignore_eos=True))
     one.step(), four.step()  # the whole prompt, then the first token of each sample
@@ -51,27 +39,29 @@ def test_four_samples_allocate_the_prompt_blocks_once_and_differ(tiny):
     assert four.blocks.num_free_blocks == four.blocks.num_total_blocks  # cached blocks count as free
 
 
-def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(tiny):
+def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(tiny_llama):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
-    alone = run_requests(make(tiny), {"x": (LONG_PROMPT[:30], params)})["x"].outputs[0].token_ids
+    alone = run_requests(make(tiny_llama), {"x": (LONG_PROMPT[:30], params)})["x"].outputs[0].token_ids
     neighbours = {
         f"n{i}": (LONG_PROMPT[i : 20 + 13 * i], SamplingParams(max_tokens=5 + i, seed=i, ignore_eos=True))
         for i in range(5)
     }
-    busy = make(tiny, max_num_batched_tokens=32)  # the prompt is chunked and shares steps with the others
+    busy = make(
+        tiny_llama, max_num_batched_tokens=32
+    )  # the prompt is chunked and shares steps with the others
     batched = run_requests(busy, {**neighbours, "x": (LONG_PROMPT[:30], params)})["x"].outputs[0].token_ids
     assert batched == alone
 
 
-def test_different_seeds_give_different_samples(tiny):
-    engine = make(tiny)
+def test_different_seeds_give_different_samples(tiny_llama):
+    engine = make(tiny_llama)
     params = [SamplingParams(max_tokens=8, seed=seed, ignore_eos=True) for seed in (1, 2)]
     outputs = run_requests(engine, {str(i): (LONG_PROMPT[:30], p) for i, p in enumerate(params)})
     assert outputs["0"].outputs[0].token_ids != outputs["1"].outputs[0].token_ids
 
 
-def test_temperature_zero_is_greedy(tiny, model_dir):
-    engine = make(tiny)
+def test_temperature_zero_is_greedy(tiny_llama, tiny_llama_dir):
+    engine = make(tiny_llama)
     prompt = LONG_PROMPT[:30]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     only_the_best = SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=5, ignore_eos=True)
@@ -79,7 +69,7 @@ def test_temperature_zero_is_greedy(tiny, model_dir):
     tokens = outputs["greedy"].outputs[0].token_ids
     assert outputs["top1"].outputs[0].token_ids == tokens  # the sampling path restricted to the argmax
     for step, token in enumerate(tokens):  # and transformers' argmax, step by step
-        logits = hf_logits(model_dir, prompt + tokens[:step])[-1]
+        logits = hf_logits(tiny_llama_dir, prompt + tokens[:step])[-1]
         best, second = np.sort(logits)[::-1][:2]
         assert token == int(np.argmax(logits)) or best - second < 1e-4
 

@@ -17,14 +17,9 @@ TOP = 5
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir) -> np.ndarray:
+def reference(tiny_llama_dir) -> np.ndarray:
     """transformers' log_softmax [T, V] over the prompt, in float64."""
-    logits = hf_logits(model_dir, PROMPT).astype(np.float64)
+    logits = hf_logits(tiny_llama_dir, PROMPT).astype(np.float64)
     peak = logits.max(-1, keepdims=True)
     return logits - peak - np.log(np.exp(logits - peak).sum(-1, keepdims=True))
 
@@ -51,16 +46,16 @@ def assert_equal_reference(prompt_logprobs, reference: np.ndarray, num_top: int)
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [128, 16], ids=["whole_prompt", "chunks_of_16"])
-def test_prompt_logprobs_equal_transformers_log_softmax(model_dir, reference, max_num_batched_tokens):
+def test_prompt_logprobs_equal_transformers_log_softmax(tiny_llama_dir, reference, max_num_batched_tokens):
     engine = LLMEngine(
-        EngineConfig(model=str(model_dir), max_num_batched_tokens=max_num_batched_tokens, **ARGS)
+        EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=max_num_batched_tokens, **ARGS)
     )
     output = run(engine, "a", SamplingParams(max_tokens=2, prompt_logprobs=TOP))
     assert_equal_reference(output.prompt_logprobs, reference, TOP)
 
 
-def test_prefix_cache_hits_never_skip_prompt_logprobs(model_dir, reference):
-    engine = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=128, **ARGS))
+def test_prefix_cache_hits_never_skip_prompt_logprobs(tiny_llama_dir, reference):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=128, **ARGS))
     run(engine, "warm", SamplingParams(max_tokens=1))  # caches the prompt's full blocks
     assert run(engine, "plain", SamplingParams(max_tokens=1)).num_cached_tokens == 64  # they are hittable
     output = run(engine, "logprobs", SamplingParams(max_tokens=1, prompt_logprobs=0))
@@ -72,6 +67,6 @@ def test_prefix_cache_hits_never_skip_prompt_logprobs(model_dir, reference):
     )  # the cache still serves
 
 
-def test_requests_without_prompt_logprobs_report_none(model_dir):
-    engine = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=128, **ARGS))
+def test_requests_without_prompt_logprobs_report_none(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=128, **ARGS))
     assert run(engine, "a", SamplingParams(max_tokens=1)).prompt_logprobs is None
