@@ -23,11 +23,12 @@ from jpaged.kv_cache_sizing import (
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
-from jpaged.sampler import LOGPROB_BUCKETS, SamplerOutput, SamplingRow, SamplingTensors, logprobs_bucket
+from jpaged.sampler import LOGPROB_BUCKETS, SamplerOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams, tokenize_bad_words
 from jpaged.scheduler import Scheduler
 from jpaged.sequence import Request, SequenceStatus
 from jpaged.sequence import Sequence as Seq
+from jpaged.step_sampling import StepSampling, has_static_sampling, is_plain_greedy, sample_seed_for
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._beam_requests: set[str] = set()  # ids of the unfinished beam searches
-        self._plain_sampling: dict[int, SamplingTensors] = {}  # sampler inputs of plain greedy rows, by S
-        # The previous step's static rows and their inputs: (row_seqs, tensors, num_rows, num_logprobs).
-        self._static_sampling: tuple[list[Seq], SamplingTensors, int, int | None] | None = None
+        self.sampling = StepSampling(self.runner.sampling_tensors, (mc.eos_token_ids or (None,))[0])
         self._rng = np.random.default_rng(config.seed)
         self._next_seq_id = 0
         self._private_salts = itertools.count()
@@ -131,8 +130,8 @@ class LLMEngine:
         )
         if params.bad_words:
             request.bad_words_token_ids = tokenize_bad_words(params.bad_words, self.tokenizer)
-        request.static_sampling = beam is None and _has_static_sampling(params)
-        request.plain_greedy = request.static_sampling and _is_plain_greedy(params)
+        request.static_sampling = beam is None and has_static_sampling(params)
+        request.plain_greedy = request.static_sampling and is_plain_greedy(params)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
         if beam is not None:
@@ -206,7 +205,7 @@ class LLMEngine:
         rows, row_seqs, prompt_seqs, all_static, all_plain = self._sampled_rows(seqs, num_new_tokens)
         tables = self.blocks.block_tables([seq.seq_id for seq in seqs])
         batch, num_rows, prompt_targets = self.runner.prepare(seqs, num_new_tokens, tables, rows, prompt_seqs)
-        tensors, num_logprobs = self._sampling_inputs(row_seqs, num_rows, all_static, all_plain)
+        tensors, num_logprobs = self.sampling.inputs(row_seqs, num_rows, all_static, all_plain)
         num_prompt_logprobs = None
         if prompt_seqs:
             asked = max(seqs[i].request.params.prompt_logprobs for i in prompt_seqs)
@@ -257,49 +256,6 @@ class LLMEngine:
                     rows.append(i)
                     row_seqs.append(seq)
         return rows, row_seqs, prompt_seqs, all_static, all_plain
-
-    def _sampling_inputs(
-        self, row_seqs: list[Seq], num_rows: int, all_static: bool, all_plain: bool
-    ) -> tuple[SamplingTensors, int | None]:
-        """The sampler's inputs for these rows, and the logprobs bucket. Built from each row's params only when
-        needed: plain greedy rows are the sampler's padding rows, and a batch of the same static rows as the
-        previous step reuses that step's inputs with each row's step count one higher."""
-        if all_plain:
-            tensors = self._plain_sampling.get(num_rows)
-            if tensors is None:
-                tensors = self._plain_sampling[num_rows] = self.runner.sampling_tensors((), num_rows)
-            return tensors, None
-        previous = self._static_sampling
-        if all_static and previous is not None and previous[0] == row_seqs and previous[2] == num_rows:
-            _, tensors, _, num_logprobs = previous
-            if tensors.steps is not None:
-                steps = tensors.steps.copy()
-                steps[: len(row_seqs)] += 1
-                tensors = tensors._replace(steps=steps)
-        else:
-            sampling_rows = [
-                SamplingRow(
-                    seq.request.params,
-                    seq.request.prompt_token_ids,
-                    seq.output_token_ids,
-                    seed,
-                    self._eos(seq),
-                    seq.request.bad_words_token_ids,
-                )
-                for seq, seed in zip(row_seqs, self._row_seeds(row_seqs), strict=True)
-            ]
-            tensors = self.runner.sampling_tensors(sampling_rows, num_rows)
-            num_logprobs = logprobs_bucket(sampling_rows)
-        self._static_sampling = (row_seqs, tensors, num_rows, num_logprobs) if all_static else None
-        return tensors, num_logprobs
-
-    def _row_seeds(self, row_seqs: list[Seq]) -> list[int]:
-        """Each row's seed: its sequence's, and for the k-th extra row of a fan-out, that of sample index + k."""
-        seeds, k = [], 0
-        for row, seq in enumerate(row_seqs):
-            k = k + 1 if row and row_seqs[row - 1] is seq else 0
-            seeds.append(self._sample_seed_for(seq.request, seq.index + k) if k else seq.seed)
-        return seeds
 
     def _append_samples(self, row_seqs: list[Seq], result: SamplerOutput, now: float) -> list[RequestOutput]:
         """Give each sampled row's token to its sequence, or to its beam search; returns the outputs due (every
@@ -438,19 +394,9 @@ class LLMEngine:
 
     def _new_seq(self, request: Request, token_ids: list[int], index: int) -> Seq:
         self._next_seq_id += 1
-        seq = Seq(
-            self._next_seq_id, request, token_ids, index=index, seed=self._sample_seed_for(request, index)
-        )
+        seq = Seq(self._next_seq_id, request, token_ids, index=index, seed=sample_seed_for(request, index))
         request.seqs.append(seq)
         return seq
-
-    @staticmethod
-    def _sample_seed_for(request: Request, index: int) -> int:
-        """Sample i of a request draws from its own stream: reproducible, independent of batch composition."""
-        return (request.seed + index * 0x9E3779B97F4A7C15) % 2**63
-
-    def _eos(self, seq: Seq) -> int | None:
-        return None if seq.request.params.ignore_eos else (self.model_config.eos_token_ids or (None,))[0]
 
     # ---- observability ----
 
@@ -474,25 +420,3 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.blocks.reset_prefix_cache()
-
-
-def _has_static_sampling(params: SamplingParams) -> bool:
-    """Whether nothing in the sampler's inputs for this request depends on what it generated."""
-    return (
-        params.min_tokens == 0
-        and not params.bad_words
-        and not params.presence_penalty
-        and not params.frequency_penalty
-        and params.repetition_penalty == 1.0
-    )
-
-
-def _is_plain_greedy(params: SamplingParams) -> bool:
-    """Greedy with nothing that biases or restricts a token and no logprobs asked (penalties, bad words and
-    min_tokens are ruled out by static sampling): sampled exactly like the sampler's padding rows."""
-    return (
-        params.is_greedy
-        and params.logprobs is None
-        and not params.logit_bias
-        and params.allowed_token_ids is None
-    )

@@ -1,0 +1,97 @@
+"""The sampler's inputs for each step, built from the rows' params only when they change.
+
+Plain greedy rows are exactly the sampler's padding rows, so an all-plain batch reuses one cached set of tensors
+per row count; a batch of the same static rows as the previous step reuses that step's tensors with each row's
+step count one higher. Anything else is built from the rows' params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from jpaged.sampler import SamplingRow, SamplingTensors, logprobs_bucket
+from jpaged.sampling_params import SamplingParams
+from jpaged.sequence import Request
+from jpaged.sequence import Sequence as Seq
+
+
+def sample_seed_for(request: Request, index: int) -> int:
+    """Sample i of a request draws from its own stream: reproducible, independent of batch composition."""
+    return (request.seed + index * 0x9E3779B97F4A7C15) % 2**63
+
+
+def has_static_sampling(params: SamplingParams) -> bool:
+    """Whether nothing in the sampler's inputs for this request depends on what it generated."""
+    return (
+        params.min_tokens == 0
+        and not params.bad_words
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and params.repetition_penalty == 1.0
+    )
+
+
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that biases or restricts a token and no logprobs asked (penalties, bad words and
+    min_tokens are ruled out by static sampling): sampled exactly like the sampler's padding rows."""
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and params.allowed_token_ids is None
+    )
+
+
+def _row_seeds(row_seqs: list[Seq]) -> list[int]:
+    """Each row's seed: its sequence's, and for the k-th extra row of a fan-out, that of sample index + k."""
+    seeds, k = [], 0
+    for row, seq in enumerate(row_seqs):
+        k = k + 1 if row and row_seqs[row - 1] is seq else 0
+        seeds.append(sample_seed_for(seq.request, seq.index + k) if k else seq.seed)
+    return seeds
+
+
+class StepSampling:
+    """Per-engine cache of sampler inputs (see the module doc); `inputs` is called once per step."""
+
+    def __init__(
+        self, build: Callable[[Sequence[SamplingRow], int], SamplingTensors], eos_token_id: int | None
+    ) -> None:
+        self._build = build  # ModelRunner.sampling_tensors
+        self._eos_token_id = eos_token_id
+        self._plain: dict[int, SamplingTensors] = {}  # inputs of plain greedy rows, by row count
+        # The previous step's static rows and their inputs: (row_seqs, tensors, num_rows, num_logprobs).
+        self._static: tuple[list[Seq], SamplingTensors, int, int | None] | None = None
+
+    def inputs(
+        self, row_seqs: list[Seq], num_rows: int, all_static: bool, all_plain: bool
+    ) -> tuple[SamplingTensors, int | None]:
+        """The sampler's inputs for these rows (padded to `num_rows`), and the logprobs bucket."""
+        if all_plain:
+            tensors = self._plain.get(num_rows)
+            if tensors is None:
+                tensors = self._plain[num_rows] = self._build((), num_rows)
+            return tensors, None
+        previous = self._static
+        if all_static and previous is not None and previous[0] == row_seqs and previous[2] == num_rows:
+            _, tensors, _, num_logprobs = previous
+            if tensors.steps is not None:
+                steps = tensors.steps.copy()
+                steps[: len(row_seqs)] += 1
+                tensors = tensors._replace(steps=steps)
+        else:
+            sampling_rows = [
+                SamplingRow(
+                    seq.request.params,
+                    seq.request.prompt_token_ids,
+                    seq.output_token_ids,
+                    seed,
+                    None if seq.request.params.ignore_eos else self._eos_token_id,
+                    seq.request.bad_words_token_ids,
+                )
+                for seq, seed in zip(row_seqs, _row_seeds(row_seqs), strict=True)
+            ]
+            tensors = self._build(sampling_rows, num_rows)
+            num_logprobs = logprobs_bucket(sampling_rows)
+        self._static = (row_seqs, tensors, num_rows, num_logprobs) if all_static else None
+        return tensors, num_logprobs
