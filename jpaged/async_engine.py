@@ -58,7 +58,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it progresses (cumulative), the last one with `finished=True`.
+        """Outputs of one request as it progresses (as its params.output_kind says), the last with `finished=True`.
 
         Validation errors raise ValueError before anything is queued. If the consumer stops early (a client
         disconnect cancels it), the request is aborted before the engine's next step.

@@ -139,7 +139,8 @@ class OutputProcessor:
 
     def request_output(self, request: Request) -> RequestOutput:
         """The request's output now: everything so far, or for DELTA what is new since its previous output (the
-        sequences with new tokens or just aborted; prompt logprobs in the first output only)."""
+        sequences with new tokens or just aborted; prompt logprobs in the first output only). Outputs share the
+        request's prompt_token_ids list: read it, don't change it."""
         params = request.params
         delta = params.output_kind is RequestOutputKind.DELTA
         with_logprobs = params.logprobs is not None
@@ -147,22 +148,25 @@ class OutputProcessor:
         if prompt_logprobs is not None:
             sent = delta and any(seq.num_emitted_tokens for seq in request.seqs)
             prompt_logprobs = None if sent else list(prompt_logprobs)
+        num_prompt = len(request.prompt_token_ids)
         outputs = []
+        finished = True
         for seq in request.seqs:
-            token_ids, text, logprobs = seq.output_token_ids, seq.text, seq.logprobs
+            finished = finished and seq.finish_reason is not None
+            first_token, first_char = num_prompt, 0
             if delta:
-                num_tokens, num_chars = seq.num_emitted_tokens, seq.num_emitted_chars
-                if len(token_ids) == num_tokens and seq.finish_reason != "abort":
+                num_tokens = len(seq.token_ids) - num_prompt
+                if num_tokens == seq.num_emitted_tokens and seq.finish_reason != "abort":
                     continue
-                seq.num_emitted_tokens, seq.num_emitted_chars = len(token_ids), len(text)
-                token_ids, text, logprobs = token_ids[num_tokens:], text[num_chars:], logprobs[num_tokens:]
+                first_token, first_char = num_prompt + seq.num_emitted_tokens, seq.num_emitted_chars
+                seq.num_emitted_tokens, seq.num_emitted_chars = num_tokens, len(seq.text)
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=text,
-                    token_ids=token_ids,
+                    text=seq.text[first_char:] if first_char else seq.text,
+                    token_ids=seq.token_ids[first_token:],
                     cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
-                    logprobs=list(logprobs) if with_logprobs else None,
+                    logprobs=seq.logprobs[first_token - num_prompt :] if with_logprobs else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
@@ -170,9 +174,9 @@ class OutputProcessor:
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
+            prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
-            finished=request.finished or all(seq.finish_reason is not None for seq in request.seqs),
+            finished=finished or request.finished,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
             metrics=_metrics(request),

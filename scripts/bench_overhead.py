@@ -7,11 +7,12 @@ tokens, detokenising, stop checks, building outputs. Median of the decode steps 
 Config per N: max_num_seqs=N, max_num_batched_tokens=max(512, N), max_model_len=512, num_blocks=1 + 32 N (every
 sequence can reach max_model_len: nothing is preempted), the default model's vocabulary; N requests of 64 random
 prompt tokens, max_tokens=250, ignore_eos, the given temperature. Every timed step runs all
-N sequences as decodes (checked). Output kinds: FINAL_ONLY is what LLM.generate uses (one output per request, its
-text decoded once at the end); CUMULATIVE is what the server streams (an output per request per step, incremental
-detokenisation of every token).
+N sequences as decodes (checked). Output kinds: FINAL_ONLY is what LLM.generate and the server's whole responses
+use (one output per request, its text decoded once at the end); DELTA is what the server streams (an output per
+request per step with only its new tokens and text, incremental detokenisation of every token); CUMULATIVE (every
+output repeats everything so far) is vLLM's default for engine users who read outputs step by step.
 
-  python scripts/bench_overhead.py                                   # N = 32, 128, 256; both output kinds
+  python scripts/bench_overhead.py                                   # N = 32, 128, 256; all three output kinds
   python scripts/bench_overhead.py --sizes 256 --temperature 1.0     # sampled rows
 """
 
@@ -45,7 +46,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", default="32,128,256")
-    parser.add_argument("--output-kinds", default="FINAL_ONLY,CUMULATIVE")
+    parser.add_argument("--output-kinds", default="FINAL_ONLY,DELTA,CUMULATIVE")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()

@@ -1,8 +1,9 @@
 """The engine requests behind one HTTP request: started together, outputs merged, aborted together.
 
-A completions request with several prompts is one engine request per prompt. Their outputs are merged into one
-stream of (prompt index, cumulative output). The stream ends early, aborting every engine request at once so
-their KV blocks are freed, when the client disconnects or the server's shutdown grace period ends.
+A completions request with several prompts is one engine request per prompt. Their outputs (DELTA ones for a
+stream, one FINAL_ONLY output per prompt otherwise) are merged into one stream of (prompt index, output). The stream
+ends early, aborting every engine request at once so their KV blocks are freed, when the client disconnects or the
+server's shutdown grace period ends.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ async def generate_outputs(
     priority: int = 0,
     cache_salt: str | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield (input index, cumulative output) until every engine request finished.
+    """Yield (input index, output) until every engine request finished.
 
     Raises GenerationStopped on disconnect or shutdown, APIError(503) if the engine loop died.
     """

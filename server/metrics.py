@@ -100,30 +100,28 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Latencies of one engine request, from the engine's own timestamps on each cumulative output."""
+    """Latencies of one engine request, from the engine's own timestamps on its DELTA or FINAL_ONLY outputs.
+
+    Every output carries only new tokens (parallel samples step together, so the longest choice counts). The
+    tokens of one output share its time span evenly: a whole response's inter-token latency is its mean."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
-        self._num_tokens = 0
         self._last_token_time: float | None = None
 
     def observe(self, output: RequestOutput) -> None:
-        num_tokens = max(
-            (len(c.token_ids) for c in output.outputs), default=0
-        )  # parallel samples step together
+        new_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
         times = output.metrics
-        if num_tokens > self._num_tokens and "last_token_time" in times:
-            new_tokens = num_tokens - self._num_tokens
-            if self._last_token_time is None:
+        if new_tokens and "last_token_time" in times:
+            since = self._last_token_time
+            if since is None:
                 self._metrics.time_to_first_token.observe(times["first_token_time"] - times["arrival_time"])
-            else:
-                gap = (times["last_token_time"] - self._last_token_time) / new_tokens
-                for _ in range(new_tokens):
-                    self._metrics.inter_token_latency.observe(gap)
-            self._num_tokens, self._last_token_time = num_tokens, times["last_token_time"]
-        if output.finished:
-            for choice in output.outputs:
-                reason = choice.finish_reason or "abort"
-                self._metrics.request_success.labels(self._metrics.model_name, reason).inc()
-            if "last_token_time" in times:
-                self._metrics.e2e_request_latency.observe(times["last_token_time"] - times["arrival_time"])
+                since, new_tokens = times["first_token_time"], new_tokens - 1
+            for _ in range(new_tokens):
+                self._metrics.inter_token_latency.observe((times["last_token_time"] - since) / new_tokens)
+            self._last_token_time = times["last_token_time"]
+        for choice in output.outputs:  # a DELTA output holds a finished choice once, in the step it finished
+            if choice.finish_reason is not None:
+                self._metrics.request_success.labels(self._metrics.model_name, choice.finish_reason).inc()
+        if output.finished and "last_token_time" in times:
+            self._metrics.e2e_request_latency.observe(times["last_token_time"] - times["arrival_time"])

@@ -25,7 +25,7 @@ from server.protocol import (
 )
 from server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
 from server.state import ServerState, get_state
-from server.streaming import SSE_HEADERS, DeltaTracker, end_stream, sse, usage_of
+from server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
 
 
 def _num_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -119,28 +119,22 @@ async def _stream(
     def chunk(choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=state.model_name, choices=[choice]))
 
-    tracker = DeltaTracker()
+    tracker = StreamTracker()
     for index in range(n):  # OpenAI opens every choice with the role, before any content
         yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
     async for _, output in outputs:
-        tracker.last_outputs[0] = output
-        for choice in sorted(output.outputs, key=lambda c: c.index):
-            delta = tracker.delta(0, choice)
-            if delta is None:
-                continue
+        for delta in tracker.deltas(0, output):
+            choice = delta.choice
             logprobs = None
             if body.logprobs:
-                entries = (choice.logprobs or [])[
-                    delta.first_token : delta.first_token + len(delta.token_ids)
-                ]
-                logprobs = chat_logprobs(delta.token_ids, entries, body.top_logprobs or 0)
+                logprobs = chat_logprobs(choice.token_ids, choice.logprobs or [], body.top_logprobs or 0)
             yield chunk(
                 ChatStreamChoice(
                     index=choice.index,
-                    delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+                    delta=DeltaMessage(content=choice.text) if choice.text else DeltaMessage(),
                     logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
-                    stop_reason=choice.stop_reason if delta.finish_reason else None,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
                 )
             )
     if include_usage:

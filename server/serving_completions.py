@@ -17,7 +17,7 @@ from server.logprobs import completion_logprobs, echoed_prompt_logprobs, join_lo
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
 from server.state import ServerState, get_state
-from server.streaming import SSE_HEADERS, DeltaTracker, end_stream, sse, usage_of
+from server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -162,35 +162,30 @@ async def _stream(
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    tracker = DeltaTracker()
+    tracker = StreamTracker()
     n = body.n or 1
     async for index, output in outputs:
-        tracker.last_outputs[index] = output
-        for choice in sorted(output.outputs, key=lambda c: c.index):
-            delta = tracker.delta(index, choice)
-            if delta is None:
-                continue
+        for delta in tracker.deltas(index, output):
+            choice = delta.choice
             prefix = prompt_texts[index] if body.echo and delta.first else ""
             logprobs = None
             if body.logprobs is not None:
-                offset = len(choice.text) - len(delta.text)
-                entries = (choice.logprobs or [])[
-                    delta.first_token : delta.first_token + len(delta.token_ids)
-                ]
                 shift = len(prompt_texts[index]) if body.echo else 0  # offsets count the echoed prompt
-                logprobs = completion_logprobs(delta.token_ids, entries, shift + offset)
+                logprobs = completion_logprobs(
+                    choice.token_ids, choice.logprobs or [], shift + delta.text_offset
+                )
                 if prefix:
-                    logprobs = join_logprobs(_prompt_logprobs(state, output), logprobs)
+                    logprobs = join_logprobs(_prompt_logprobs(state, tracker.first_outputs[index]), logprobs)
             chunk = CompletionResponse(
                 id=request_id,
                 model=state.model_name,
                 choices=[
                     CompletionChoice(
                         index=index * n + choice.index,
-                        text=prefix + delta.text,
+                        text=prefix + choice.text,
                         logprobs=logprobs,
-                        finish_reason=delta.finish_reason,
-                        stop_reason=choice.stop_reason if delta.finish_reason else None,
+                        finish_reason=choice.finish_reason,
+                        stop_reason=choice.stop_reason,
                     )
                 ],
             )

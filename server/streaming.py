@@ -1,13 +1,15 @@
-"""Server-sent events in OpenAI's framing, and the per-choice bookkeeping that turns cumulative outputs into deltas.
+"""Server-sent events in OpenAI's framing, and the per-choice bookkeeping of a stream.
 
-The engine's outputs are cumulative (`CompletionOutput.text` holds everything so far); a stream sends each
-choice only what it has not sent yet, and its finish reason once.
+A stream asks the engine for DELTA outputs: each carries, per choice, only the text, tokens and logprobs that are
+new (choices with nothing new are left out). What a chunk still needs from earlier ones — where this choice's text
+starts (completions' text offsets), whether it is its first chunk (echo), the prompt logprobs (first output only),
+and the token counts for `usage` — is kept here.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -51,43 +53,46 @@ async def end_stream(outputs: AsyncGenerator, events: AsyncIterator[str]) -> Asy
 
 @dataclass(slots=True)
 class Delta:
-    """What one choice has newly produced since the last chunk."""
+    """One choice's new output, and where it stands in the choice's whole text."""
 
-    text: str
-    first_token: int  # index into token_ids / logprobs of the first token not yet sent
-    token_ids: list[int]
-    finish_reason: str | None
+    choice: CompletionOutput  # text, token_ids and logprobs: only what is new
+    text_offset: int  # characters of this choice sent before
     first: bool  # nothing was sent for this choice before
 
 
-class DeltaTracker:
-    """Per (prompt, choice): characters and tokens already sent, and whether its finish was reported."""
+class StreamTracker:
+    """Per (prompt, choice): characters and tokens sent, and whether its finish was reported; per prompt, its first
+    output (the only one with prompt logprobs)."""
 
     def __init__(self) -> None:
         self._sent: dict[tuple[int, int], tuple[int, int]] = {}
         self._finished: set[tuple[int, int]] = set()
-        self.last_outputs: dict[int, RequestOutput] = {}
+        self.first_outputs: dict[int, RequestOutput] = {}
 
-    def delta(self, prompt_index: int, choice: CompletionOutput) -> Delta | None:
-        """The unsent part of `choice`, or None when there is nothing new to send."""
-        key = (prompt_index, choice.index)
-        if key in self._finished:
-            return None
-        first = key not in self._sent
-        num_chars, num_tokens = self._sent.get(key, (0, 0))
-        text, token_ids = choice.text[num_chars:], choice.token_ids[num_tokens:]
-        if not text and not token_ids and choice.finish_reason is None and not first:
-            return None
-        self._sent[key] = (len(choice.text), len(choice.token_ids))
-        if choice.finish_reason is not None:
-            self._finished.add(key)
-        return Delta(text, num_tokens, token_ids, choice.finish_reason, first)
+    def deltas(self, prompt_index: int, output: RequestOutput) -> Iterator[Delta]:
+        """The choices of a DELTA `output` that have something to send, in choice order."""
+        self.first_outputs.setdefault(prompt_index, output)
+        for choice in sorted(output.outputs, key=lambda c: c.index):
+            key = (prompt_index, choice.index)
+            if key in self._finished:
+                continue
+            first = key not in self._sent
+            num_chars, num_tokens = self._sent.get(key, (0, 0))
+            if not choice.text and not choice.token_ids and choice.finish_reason is None and not first:
+                continue
+            self._sent[key] = (num_chars + len(choice.text), num_tokens + len(choice.token_ids))
+            if choice.finish_reason is not None:
+                self._finished.add(key)
+            yield Delta(choice, num_chars, first)
 
     def usage(self) -> UsageInfo:
-        return usage_of(self.last_outputs.values())
+        prompt = sum(len(o.prompt_token_ids) for o in self.first_outputs.values())
+        completion = sum(num_tokens for _, num_tokens in self._sent.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def usage_of(outputs) -> UsageInfo:
+    """Token counts of whole (FINAL_ONLY) outputs."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

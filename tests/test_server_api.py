@@ -134,6 +134,25 @@ def test_echo_with_logprobs_covers_the_prompt_tokens_then_the_completion(client)
     assert tokens == echoed.logprobs.tokens
 
 
+def test_streamed_choices_join_to_the_whole_response_with_the_same_offsets_and_usage(client):
+    """The stream's chunks carry only what is new; joined per choice they are the whole response, text offsets
+    counting from the start of each choice's text."""
+    asked = dict(max_tokens=7, temperature=1.0, seed=11, n=2, logprobs=1, echo=True)
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, **asked)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **asked
+        )
+    )
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        assert [t for c in mine for t in c.logprobs.tokens] == choice.logprobs.tokens
+        assert [o for c in mine for o in c.logprobs.text_offset] == choice.logprobs.text_offset
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
 def test_chat_whole_and_streamed_agree(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=6)
@@ -210,3 +229,17 @@ def test_metrics_parse_and_count_a_finished_request(client, server):
     assert after["jpaged:num_requests_running{}"] == 0 and after["jpaged:kv_cache_usage_perc{}"] == 0
     for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_compilations"):
         assert f"jpaged:{name}_total{{}}" in after
+
+
+def test_metrics_count_every_choice_and_token_of_a_stream(client, server):
+    before = _scrape(server)
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=2, seed=3, stream=True)
+    )
+    after = _scrape(server)
+    assert {c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason} == {"length"}
+    moved = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert moved["jpaged:request_success_total{finished_reason=length}"] == 2
+    assert moved["jpaged:time_to_first_token_seconds_count{}"] == 1
+    assert moved["jpaged:inter_token_latency_seconds_count{}"] == 4  # the two samples step together
+    assert moved["jpaged:generation_tokens_total{}"] == 10
