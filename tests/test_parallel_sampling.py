@@ -39,6 +39,15 @@ def test_four_samples_allocate_the_prompt_blocks_once_and_differ(tiny_llama):
     assert four.blocks.num_free_blocks == four.blocks.num_total_blocks  # cached blocks count as free
 
 
+def test_argmax_samples_that_copied_the_shared_block_continue_like_a_single_run(tiny_llama):
+    """Three of the four samples write into a copy of the prompt's partial block: the copy must carry its K/V.
+    (top_k=1: sampling restricted to the argmax, as n > 1 is refused at temperature 0.)"""
+    greedy = dict(temperature=1.0, top_k=1, max_tokens=10, seed=3, ignore_eos=True)
+    single = run_requests(make(tiny_llama), {"a": (LONG_PROMPT, SamplingParams(**greedy))})["a"]
+    four = run_requests(make(tiny_llama), {"a": (LONG_PROMPT, SamplingParams(n=4, **greedy))})["a"]
+    assert [o.token_ids for o in four.outputs] == [single.outputs[0].token_ids] * 4
+
+
 def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(tiny_llama):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
     alone = run_requests(make(tiny_llama), {"x": (LONG_PROMPT[:30], params)})["x"].outputs[0].token_ids
