@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e30  # finite "minus infinity": keeps fully masked rows NaN-free
-_QUERY_TILE = 32  # prefill query rows per loop iteration
+# Prefill query rows per loop iteration: with 128, a 512-token prefill step of SmolLM2 on CPU ran ~10% faster than
+# with 32 (a quarter of the iterations, each a bigger dot); a partial tile's padding rows cost little next to that.
+_QUERY_TILE = 128
 # KV tokens gathered per online-softmax iteration. Small chunks keep the gathered pages in cache: on CPU a decode
 # step over 64 sequences of 160 tokens (SmolLM2 shapes, 30 layers) ran ~3x faster with 32-token chunks than with 256.
 _LAST_ROW_CHUNK_TOKENS = 32
