@@ -270,7 +270,7 @@ class ModelRunner:
     def _compile(self, args, num_logprobs, num_prompt_logprobs):
         """The step for these inputs: loaded from the executable cache, else traced, lowered and compiled."""
         leaves = [
-            (np.shape(x), str(np.result_type(x)), str(getattr(x, "sharding", "")))
+            (np.shape(x), str(x.dtype), str(getattr(x, "sharding", "")))
             for x in jax.tree_util.tree_leaves(args)
         ]
         key = (
