@@ -31,9 +31,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_impl: str = "auto"  # "reference" (XLA) or "pallas"; auto picks by platform
     enforce_eager: bool = False  # skip warm-up; buckets compile on first use
-    compilation_cache_dir: str | None = (
-        None  # compiled steps kept across restarts; default ~/.cache/jpaged/xla
-    )
+    compilation_cache_dir: str | None = None  # compiled steps kept here; default ~/.cache/jpaged/xla
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
