@@ -1,0 +1,183 @@
+"""Where a decode step's time goes: the whole step, the step without attention, attention alone, and the cost of
+only reading the step's K/V pages, on the embedded model (its real weights, every layer), same run.
+
+For S sequences of `context` cached tokens each (pages scattered over the pool), it times (median of --repeats):
+  step          `forward` with the engine's attention for this backend (cache donated, as the engine runs it)
+  no attention  the same step with attention replaced by the identity: matmuls, norms, RoPE, KV writes, LM head
+  attention     the attention of all layers alone (layer scan, random queries)
+  KV read       XLA gathers of exactly those K/V pages, summed and nothing else: the memory traffic attention
+                cannot avoid, at the rate XLA's gathers reach on this device
+and prints the attention share of the step and how far attention is from the KV-read floor.
+
+  python scripts/bench_decode_step.py                          # 8 x 384 and 64 x 256 (S x context)
+  python scripts/bench_decode_step.py --shapes 64x256 --repeats 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jpaged.model_runner import _step_params  # noqa: E402
+from jpaged.models.llama import StepBatch, forward, init_kv_cache  # noqa: E402
+from jpaged.models.loader import load_model  # noqa: E402
+from jpaged.pallas import get_attention_fn  # noqa: E402
+
+BLOCK_SIZE = 16
+KV_READ_PAGES = 4
+
+
+def decode_batch(num_seqs: int, context: int, rng: np.random.Generator) -> tuple[StepBatch, int]:
+    """One decode token per sequence after `context - 1` cached ones, each sequence's pages drawn at random from
+    the pool (block 0 is the null block); returns the batch and the pool size it needs."""
+    pages = -(-context // BLOCK_SIZE)
+    num_blocks = 1 + num_seqs * pages
+    tables = rng.permutation(np.arange(1, num_blocks)).astype(np.int32).reshape(num_seqs, pages)
+    position = np.full(num_seqs, context - 1, np.int32)
+    slots = tables[:, -1] * BLOCK_SIZE + position % BLOCK_SIZE
+    batch = StepBatch(
+        token_ids=rng.integers(100, 40000, num_seqs).astype(np.int32),
+        positions=position,
+        slot_mapping=slots.astype(np.int32),
+        block_tables=tables,
+        query_start=np.arange(num_seqs + 1, dtype=np.int32),
+        kv_lens=np.full(num_seqs, context, np.int32),
+        num_seqs=np.array([num_seqs], np.int32),
+        logits_indices=np.arange(num_seqs, dtype=np.int32),
+    )
+    return batch, num_blocks
+
+
+def median_ms(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def identity_attention(q, *args, **kwargs):
+    return q
+
+
+def kv_read(k_cache, v_cache, tables):
+    """Sum of every layer's K and V pages named in `tables`, four pages of each sequence at a time (the fastest
+    of 1, 2, 4 and 16 on the 2-core CPU), padded with the null block 0."""
+    tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % KV_READ_PAGES)))
+
+    def per_layer(total, layer):
+        def per_chunk(chunk, total):
+            pages = jax.lax.dynamic_slice_in_dim(tables, chunk * KV_READ_PAGES, KV_READ_PAGES, axis=1)
+            return total + k_cache[layer, pages].sum((0, 1, 2)) + v_cache[layer, pages].sum((0, 1, 2))
+
+        return jax.lax.fori_loop(0, tables.shape[1] // KV_READ_PAGES, per_chunk, total), None
+
+    init = jnp.zeros(k_cache.shape[3:], jnp.float32)
+    return jax.lax.scan(per_layer, init, jnp.arange(k_cache.shape[0]))[0]
+
+
+def all_layers_attention(
+    q, k_cache, v_cache, batch: StepBatch, *, attention, num_layers: int, sm_scale: float
+):
+    """The attention of every layer for the same queries, under a layer scan as in the model."""
+
+    def per_layer(out, layer):
+        out += attention(
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            batch.kv_lens,
+            batch.block_tables,
+            batch.query_start,
+            batch.num_seqs,
+            sm_scale=sm_scale,
+        )
+        return out, None
+
+    return jax.lax.scan(per_layer, jnp.zeros_like(q), jnp.arange(num_layers))[0]
+
+
+class DonatedStep:
+    """`forward` as the engine runs it: the cache donated and replaced by the returned one every call."""
+
+    def __init__(self, params, config, attention, num_blocks: int) -> None:
+        self.params = params
+        self.step = jax.jit(functools.partial(forward, config=config, attention=attention), donate_argnums=1)
+        self.kv_cache = init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.float32)
+
+    def __call__(self, batch: StepBatch) -> jax.Array:
+        logits, self.kv_cache = self.step(self.params, self.kv_cache, batch)
+        return logits
+
+
+def time_shape(params, config, attention, num_seqs: int, context: int, repeats: int) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    batch, num_blocks = decode_batch(num_seqs, context, rng)
+    timings = {
+        name: median_ms(DonatedStep(params, config, attend, num_blocks), batch, repeats=repeats)
+        for name, attend in (("step", attention), ("no attention", identity_attention))
+    }
+    cache_shape = (config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    k_cache = jnp.asarray(rng.standard_normal(cache_shape, np.float32))
+    v_cache = jnp.asarray(rng.standard_normal(cache_shape, np.float32))
+    q = jnp.asarray(rng.standard_normal((num_seqs, config.num_heads, config.head_dim), np.float32))
+    attend_all = jax.jit(
+        functools.partial(
+            all_layers_attention,
+            attention=attention,
+            num_layers=config.num_layers,
+            sm_scale=config.head_dim**-0.5,
+        )
+    )
+    timings["attention"] = median_ms(attend_all, q, k_cache, v_cache, batch, repeats=repeats)
+    timings["KV read"] = median_ms(jax.jit(kv_read), k_cache, v_cache, batch.block_tables, repeats=repeats)
+    timings["KV bytes"] = 2 * config.num_layers * batch.block_tables.size * k_cache[0, 0].nbytes
+    return timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="8x384,64x256", help="S x context pairs")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    model = load_model(None, progress=False)
+    config = model.config
+    params = jax.device_put(_step_params(model.params))
+    attention = get_attention_fn(
+        num_kv_heads=config.num_kv_heads, block_size=BLOCK_SIZE, head_dim=config.head_dim, dtype=jnp.float32
+    )
+    print(f"{config.num_layers} layers, float32, {jax.devices()[0].device_kind}; median of {args.repeats}")
+    print(
+        "| S x context | step ms | no attention | attention | KV read | attention share | attention / KV read |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        num_seqs, context = map(int, shape.split("x"))
+        t = time_shape(params, config, attention, num_seqs, context, args.repeats)
+        share = (t["step"] - t["no attention"]) / t["step"]
+        rate = t["KV bytes"] / t["KV read"] / 1e6
+        print(
+            f"| {num_seqs} x {context} | {t['step']:.0f} | {t['no attention']:.0f} | {t['attention']:.0f} "
+            f"| {t['KV read']:.0f} ({rate:.1f} GB/s) | {share:.0%} | {t['attention'] / t['KV read']:.1f}x |"
+        )
+    print("\ncommand: python scripts/bench_decode_step.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
