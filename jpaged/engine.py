@@ -118,7 +118,8 @@ class LLMEngine:
         if isinstance(params, BeamSearchParams):
             beam = self.new_beam_search(len(token_ids), params)
             params = beam.sampling_params()
-        params.verify_for_vocab(self.model_config.vocab_size)
+        else:
+            self.verify_params(params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
         if params.prompt_logprobs is not None:
             # Logprobs are needed at every prompt position, so prefix hits from other requests must not skip
@@ -156,9 +157,24 @@ class LLMEngine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})"
             )
 
+    def verify_params(self, params: SamplingParams) -> None:
+        """What sampling params must also satisfy on this engine: ids inside the vocabulary, and n samples that
+        fit in one step, since all of them come from the prompt's last step together."""
+        params.verify_for_vocab(self.model_config.vocab_size)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n must be at most max_num_seqs ({self.config.max_num_seqs}): a request's samples are all "
+                f"drawn from its prompt's last step, got {params.n}"
+            )
+
     def new_beam_search(self, num_prompt_tokens: int, params: BeamSearchParams) -> BeamSearch:
         """A beam search for a prompt of this length, checked against this engine: its beams advance together,
         so all of them must fit in the block pool at full length at once."""
+        if params.beam_width > self.config.max_num_seqs:
+            raise ValueError(
+                f"beam_width must be at most max_num_seqs ({self.config.max_num_seqs}): the beams advance "
+                f"together, got {params.beam_width}"
+            )
         search = BeamSearch.start(
             params, self.model_config.eos_token_ids, self.max_model_len - num_prompt_tokens
         )

@@ -93,8 +93,8 @@ def validate_for_engine(
     params: SamplingParams | BeamSearchParams,
     prompt_param: str,
 ) -> None:
-    """The engine's own checks (token ids in the vocabulary, a beam width its EOS ids and block pool allow), run
-    before anything is queued."""
+    """The engine's own checks (token ids in the vocabulary, n samples or beams within max_num_seqs, a beam width
+    its EOS ids and block pool allow), run before anything is queued."""
     try:
         engine.validate_prompt(prompt_ids)
     except ValueError as err:
@@ -106,6 +106,6 @@ def validate_for_engine(
             raise APIError(400, f"n (the beam width): {err}", "n") from None
         return
     try:
-        params.verify_for_vocab(engine.model_config.vocab_size)
+        engine.verify_params(params)
     except ValueError as err:
         raise bad_request(err, SAMPLING_FIELDS) from None

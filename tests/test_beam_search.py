@@ -242,8 +242,15 @@ def test_beam_search_among_other_requests_gives_the_solo_beams(loaded, engine, o
 
 
 def test_a_beam_search_the_block_pool_cannot_hold_is_refused_up_front(engine):
-    with pytest.raises(ValueError, match="^beam_width=10 beams .* need 80 KV blocks"):
-        engine.add_request("huge", PROMPT, BeamSearchParams(10, 110, ignore_eos=True))  # 10 x 8 blocks > 63
+    with pytest.raises(ValueError, match="^beam_width=8 beams .* need 64 KV blocks"):
+        engine.add_request("huge", PROMPT, BeamSearchParams(8, 110, ignore_eos=True))  # 8 x 8 blocks > 63
+    assert not engine.has_unfinished()
+
+
+def test_more_beams_than_max_num_seqs_are_refused_up_front(engine):
+    """The beams advance together, so they must fit in one step; queued, such a search would wait forever."""
+    with pytest.raises(ValueError, match=r"^beam_width must be at most max_num_seqs \(8\).* got 9"):
+        engine.add_request("wide", PROMPT, BeamSearchParams(9, 4, ignore_eos=True))
     assert not engine.has_unfinished()
 
 

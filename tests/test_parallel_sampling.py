@@ -4,6 +4,7 @@ temperature 0 is greedy, and streamed Thai text never shows a broken character."
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from conftest import hf_logits
 from engine_driver import run_requests
 
@@ -37,6 +38,18 @@ def test_four_samples_allocate_the_prompt_blocks_once_and_differ(tiny_llama):
     outputs = run_requests(four, {})["a"].outputs
     assert len({tuple(o.token_ids) for o in outputs}) == 4
     assert four.blocks.num_free_blocks == four.blocks.num_total_blocks  # cached blocks count as free
+
+
+def test_more_samples_than_max_num_seqs_are_refused_up_front(tiny_llama):
+    """All n samples are drawn from the prompt's last step, so they must fit in one; queued, such a request would
+    wait forever and hold up every request behind it."""
+    engine = make(tiny_llama)
+    with pytest.raises(ValueError, match=r"^n must be at most max_num_seqs \(8\).* got 9"):
+        engine.add_request("a", LONG_PROMPT, SamplingParams(n=9, max_tokens=2))
+    assert not engine.has_unfinished()
+    outputs = run_requests(engine, {"b": (LONG_PROMPT, SamplingParams(n=8, max_tokens=2, ignore_eos=True))})
+    assert len(outputs["b"].outputs) == 8
+    assert engine.blocks.num_free_blocks == engine.blocks.num_total_blocks
 
 
 def test_argmax_samples_that_copied_the_shared_block_continue_like_a_single_run(tiny_llama):

@@ -64,6 +64,8 @@ COMPLETION_CASES = {
     "logit_bias_outside_vocab": ({"prompt": "x", "logit_bias": {"999999999": 1}}, "logit_bias", "vocabulary"),
     "beam_search_with_top_p": ({"prompt": "x", "use_beam_search": True, "top_p": 0.5}, "top_p", "beam"),
     "beam_search_too_wide": ({"prompt": "x", "use_beam_search": True, "n": 11}, "n", "beam width"),
+    "more_beams_than_max_num_seqs": ({"prompt": "x", "use_beam_search": True, "n": 9}, "n", "max_num_seqs"),
+    "more_samples_than_max_num_seqs": ({"prompt": "x", "n": 9}, "n", "max_num_seqs"),
     "stream_options_without_stream": (
         {"prompt": "x", "stream_options": {"include_usage": True}},
         "stream_options",
@@ -89,6 +91,7 @@ CHAT_CASES = {
         "content",
     ),
     "tools": ({"messages": HI, "tools": []}, "tools", "tools"),
+    "more_samples_than_max_num_seqs": ({"messages": HI, "n": 9}, "n", "max_num_seqs"),
     "beam_search": ({"messages": HI, "use_beam_search": True}, "use_beam_search", "/v1/completions"),
     "top_logprobs_without_logprobs": ({"messages": HI, "top_logprobs": 2}, "top_logprobs", "logprobs"),
     "too_many_top_logprobs": ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "21"),
