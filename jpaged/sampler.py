@@ -139,7 +139,8 @@ def build_sampling_tensors(
         fields["keys"] = _padded([[s >> 32, s & _UINT32] for s in seeds], num_rows, 2, 0, np.uint32)
         fields["steps"] = column([len(r.output_token_ids) for r in rows], 0, np.int32)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        fields["top_k"] = column([max(p.top_k, 0) for p in params], 0, np.int32)
+        # A top_k of the vocabulary or more keeps every token: clamped, any int a client sends fits int32.
+        fields["top_k"] = column([min(max(p.top_k, 0), vocab_size) for p in params], 0, np.int32)
         fields["top_p"] = column([p.top_p for p in params], 1.0, np.float32)
     if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
         histories = [[*r.prompt_token_ids, *r.output_token_ids] for r in rows]

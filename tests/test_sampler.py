@@ -142,6 +142,14 @@ def test_top_k_top_p_switched_on_but_unused_draw_like_the_plain_path():
     np.testing.assert_array_equal(np.asarray(out.token_ids)[:64], plain.token_ids)
 
 
+@pytest.mark.parametrize("top_k", [V, 2**31, 2**63])
+def test_a_top_k_past_the_vocabulary_keeps_every_token(top_k):
+    """Any int a client sends for top_k packs (no overflow) and draws like top_k off."""
+    off, _ = _run(_rows(SamplingParams(top_p=0.9), 64), LOGITS)
+    huge, _ = _run(_rows(SamplingParams(top_p=0.9, top_k=top_k), 64), LOGITS)
+    np.testing.assert_array_equal(huge.token_ids, off.token_ids)
+
+
 def test_draw_advances_with_the_number_of_generated_tokens():
     logits = np.zeros(V, np.float32)
     first, _ = _run(_rows(SamplingParams(), 64), logits)
