@@ -1,0 +1,151 @@
+"""Whatever a client sends, the server answers 200 or a 4xx in OpenAI's error shape, never a 5xx, and leaves no
+request running and no KV block held."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jpaged.config import EngineConfig
+from server.api_server import build_app
+from server.testing import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
+
+ODD = [
+    None,
+    True,
+    -1,
+    0,
+    1,
+    2,
+    7,
+    2**31,
+    2**63,
+    -(2**63),
+    0.5,
+    -0.5,
+    1e308,
+    -1e308,
+    "",
+    "x",
+    [],
+    [1],
+    {},
+    {"a": 1},
+]
+FIELDS = {
+    "max_tokens": ODD,
+    "temperature": ODD,
+    "top_p": ODD,
+    "top_k": ODD,
+    "min_p": ODD,
+    "n": ODD,
+    "seed": ODD,
+    "stop": [*ODD, ["", "a"], ["a"] * 10],
+    "stop_token_ids": [*ODD, [0, 1, 2], [-5]],
+    "presence_penalty": ODD,
+    "frequency_penalty": ODD,
+    "repetition_penalty": ODD,
+    "logit_bias": [*ODD, {"1": 100}, {"1": -1e308}, {"-1": 1}],
+    "min_tokens": ODD,
+    "ignore_eos": ODD,
+    "skip_special_tokens": ODD,
+    "include_stop_str_in_output": ODD,
+    "priority": ODD,
+    "stream_options": [*ODD, {"include_usage": True}],
+}
+COMPLETION_FIELDS = {
+    **FIELDS,
+    "prompt": [*ODD, [[1, 2], [3]], [[]], ["a", "b"], [0] * 300],
+    "echo": ODD,
+    "logprobs": ODD,
+    "use_beam_search": ODD,
+    "length_penalty": ODD,
+}
+CHAT_FIELDS = {
+    **FIELDS,
+    "messages": [
+        *ODD,
+        [{"role": "user", "content": ""}],
+        [{"role": "assistant", "content": None}],
+        [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        [{"role": "system", "content": "x"}, {"role": "system", "content": "y"}],
+    ],
+    "logprobs": ODD,
+    "top_logprobs": ODD,
+    "max_completion_tokens": ODD,
+    "add_generation_prompt": ODD,
+    "chat_template_kwargs": [*ODD, {"enable_thinking": True}],
+}
+
+
+def bodies(base: dict, fields: dict) -> st.SearchStrategy[dict]:
+    """`base` with up to four of `fields` set to one of their listed values, streamed or not."""
+    chosen = st.dictionaries(st.sampled_from(sorted(fields)), st.integers(0, 10**6), max_size=4)
+    return st.builds(
+        lambda picks, stream: {
+            **base,
+            **{name: fields[name][i % len(fields[name])] for name, i in picks.items()},
+            "stream": stream,
+        },
+        chosen,
+        st.booleans(),
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
+
+
+@pytest.fixture(scope="module")
+def http(engine):
+    with (
+        serve_in_thread(build_app(engine, "tiny")) as running,
+        httpx.Client(base_url=running.base_url, timeout=60) as client,
+    ):
+        yield client
+
+
+def check_answer(http: httpx.Client, path: str, body: dict) -> None:
+    content = json.dumps(body, allow_nan=False)
+    with http.stream("POST", path, content=content, headers={"Content-Type": "application/json"}) as response:
+        text = response.read().decode()
+    assert response.status_code < 500, (body, text)
+    if response.status_code >= 400:
+        error = json.loads(text)["error"]
+        assert set(error) == {"message", "type", "param", "code"}, (body, text)
+    elif body["stream"]:
+        assert text.rstrip().endswith("data: [DONE]"), (body, text)
+        assert '"error"' not in text, (body, text)
+
+
+def assert_nothing_held(engine) -> None:
+    metrics = engine.metrics()  # free blocks include cached ones nobody holds
+    assert metrics["num_requests_running"] == metrics["num_requests_waiting"] == 0
+    assert metrics["num_free_blocks"] == metrics["num_total_blocks"]
+
+
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+
+@FUZZ
+@given(body=bodies({"prompt": "Hi", "max_tokens": 3}, COMPLETION_FIELDS))
+def test_any_completion_body_gets_200_or_a_4xx_and_holds_nothing(http, engine, body):
+    check_answer(http, "/v1/completions", body)
+    assert_nothing_held(engine)
+
+
+@FUZZ
+@given(body=bodies({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}, CHAT_FIELDS))
+def test_any_chat_body_gets_200_or_a_4xx_and_holds_nothing(http, engine, body):
+    check_answer(http, "/v1/chat/completions", body)
+    assert_nothing_held(engine)
