@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -27,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path when run)
 
 from jpaged.model_runner import _step_params  # noqa: E402
 from jpaged.models.llama import StepBatch, forward, init_kv_cache  # noqa: E402
@@ -56,16 +56,6 @@ def decode_batch(num_seqs: int, context: int, rng: np.random.Generator) -> tuple
         logits_indices=np.arange(num_seqs, dtype=np.int32),
     )
     return batch, num_blocks
-
-
-def median_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def identity_attention(q, *args, **kwargs):
@@ -127,7 +117,7 @@ def time_shape(params, config, attention, num_seqs: int, context: int, repeats: 
     rng = np.random.default_rng(0)
     batch, num_blocks = decode_batch(num_seqs, context, rng)
     timings = {
-        name: median_ms(DonatedStep(params, config, attend, num_blocks), batch, repeats=repeats)
+        name: 1e3 * median_seconds(DonatedStep(params, config, attend, num_blocks), (batch,), repeats)
         for name, attend in (("step", attention), ("no attention", identity_attention))
     }
     cache_shape = (config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
@@ -142,8 +132,10 @@ def time_shape(params, config, attention, num_seqs: int, context: int, repeats: 
             sm_scale=config.head_dim**-0.5,
         )
     )
-    timings["attention"] = median_ms(attend_all, q, k_cache, v_cache, batch, repeats=repeats)
-    timings["KV read"] = median_ms(jax.jit(kv_read), k_cache, v_cache, batch.block_tables, repeats=repeats)
+    timings["attention"] = 1e3 * median_seconds(attend_all, (q, k_cache, v_cache, batch), repeats)
+    timings["KV read"] = 1e3 * median_seconds(
+        jax.jit(kv_read), (k_cache, v_cache, batch.block_tables), repeats
+    )
     timings["KV bytes"] = 2 * config.num_layers * batch.block_tables.size * k_cache[0, 0].nbytes
     return timings
 
