@@ -59,6 +59,12 @@ class EngineConfig:
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "attention_impl", ATTENTION_IMPLS)
 
+    def check_fan_out(self, name: str, value: int, why: str) -> None:
+        """A request whose sequences (n samples, beams) must all run in one step needs at most max_num_seqs of
+        them: queued, a bigger one could never be admitted and would hold up every request behind it."""
+        if value > self.max_num_seqs:
+            raise ValueError(f"{name} must be at most max_num_seqs ({self.max_num_seqs}): {why}, got {value}")
+
 
 def _positive(config: EngineConfig, *names: str) -> None:
     for name in names:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
 
+from jpaged.beam_driver import BeamDriver
 from jpaged.beam_search import BeamSearch, BeamSearchParams
 from jpaged.block_manager import BlockManager
 from jpaged.config import EngineConfig
@@ -26,7 +26,7 @@ from jpaged.outputs import RequestOutput
 from jpaged.sampler import LOGPROB_BUCKETS, SamplerOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams, tokenize_bad_words
 from jpaged.scheduler import Scheduler
-from jpaged.sequence import Request, SequenceStatus
+from jpaged.sequence import Request
 from jpaged.sequence import Sequence as Seq
 from jpaged.step_sampling import StepSampling, has_static_sampling, is_plain_greedy, sample_seed_for
 
@@ -86,7 +86,15 @@ class LLMEngine:
             self._host_k, self._host_v = np.zeros(shape, dtype), np.zeros(shape, dtype)
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self._beam_requests: set[str] = set()  # ids of the unfinished beam searches
+        self.beams = BeamDriver(
+            config,
+            mc.eos_token_ids,
+            self.max_model_len,
+            self.blocks.num_total_blocks,
+            fork=self._fork,
+            requeue=self._requeue,
+            finish=self.scheduler.finish,
+        )
         self.sampling = StepSampling(self.runner.sampling_tensors, (mc.eos_token_ids or (None,))[0])
         self._rng = np.random.default_rng(config.seed)
         self._next_seq_id = 0
@@ -136,7 +144,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
         if beam is not None:
-            self._beam_requests.add(request_id)
+            self.beams.active.add(request_id)
         seq = self._new_seq(request, list(token_ids), index=0)
         self.outputs.attach(seq)
         self.scheduler.add(seq)
@@ -161,40 +169,20 @@ class LLMEngine:
         """What sampling params must also satisfy on this engine: ids inside the vocabulary, and n samples that
         fit in one step, since all of them come from the prompt's last step together."""
         params.verify_for_vocab(self.model_config.vocab_size)
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"n must be at most max_num_seqs ({self.config.max_num_seqs}): a request's samples are all "
-                f"drawn from its prompt's last step, got {params.n}"
-            )
+        self.config.check_fan_out(
+            "n", params.n, "a request's samples are all drawn from its prompt's last step"
+        )
 
     def new_beam_search(self, num_prompt_tokens: int, params: BeamSearchParams) -> BeamSearch:
-        """A beam search for a prompt of this length, checked against this engine: its beams advance together,
-        so all of them must fit in the block pool at full length at once."""
-        if params.beam_width > self.config.max_num_seqs:
-            raise ValueError(
-                f"beam_width must be at most max_num_seqs ({self.config.max_num_seqs}): the beams advance "
-                f"together, got {params.beam_width}"
-            )
-        search = BeamSearch.start(
-            params, self.model_config.eos_token_ids, self.max_model_len - num_prompt_tokens
-        )
-        size = self.config.block_size
-        per_beam = -(-(num_prompt_tokens % size + search.max_tokens) // size)  # after the shared full blocks
-        needed = num_prompt_tokens // size + params.beam_width * per_beam
-        if needed > self.blocks.num_total_blocks:
-            raise ValueError(
-                f"beam_width={params.beam_width} beams of {num_prompt_tokens} + {search.max_tokens} tokens may need "
-                f"{needed} KV blocks at once, more than the {self.blocks.num_total_blocks} of the pool: lower "
-                "beam_width or max_tokens"
-            )
-        return search
+        """A beam search for a prompt of this length, checked against this engine (see BeamDriver)."""
+        return self.beams.new_search(num_prompt_tokens, params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now: its blocks are freed at once. Returns its final output (finish_reason 'abort')."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        self._beam_requests.discard(request_id)
+        self.beams.active.discard(request_id)
         for seq in request.seqs:
             self.outputs.abort(seq)
             self.scheduler.finish(seq)
@@ -213,8 +201,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self._run_swaps(plan.swap_out, plan.swap_in)
         seqs, num_new_tokens = plan.seqs, plan.num_new_tokens
-        if self._beam_requests:
-            seqs, num_new_tokens = self._keep_beams_in_lockstep(seqs, num_new_tokens)
+        if self.beams.active:
+            seqs, num_new_tokens = self.beams.keep_in_lockstep(seqs, num_new_tokens)
         if not seqs:
             self._copy_blocks(plan.copies)
             return []
@@ -295,73 +283,19 @@ class LLMEngine:
         for seq in self.outputs.append_tokens(targets, result.token_ids.tolist(), now, result):
             self.scheduler.finish(seq)
             ended[seq.request.request_id] = seq.request
-        if self._beam_requests:
-            ended.update(self._advance_all_beams(targets, result, now))
+        if self.beams.active:
+            ended.update(self.beams.advance(targets, result, now))
         outputs = [self.outputs.request_output(request) for request in reporting.values()]
         for request_id, request in ended.items():
             if not request.finished:
                 continue
             if request.beam is not None:
                 outputs.append(self.outputs.beam_search_output(request))
-                self._beam_requests.discard(request_id)
+                self.beams.active.discard(request_id)
             elif request.params.output_kind is final_only:
                 outputs.append(self.outputs.request_output(request))
             self.requests.pop(request_id, None)
         return outputs
-
-    def _advance_all_beams(self, targets: list[Seq], result: SamplerOutput, now: float) -> dict[str, Request]:
-        """Hand each beam search its rows' top candidates; returns the searches that advanced."""
-        proposals: dict[Request, dict[Seq, list[tuple[int, float]]]] = defaultdict(dict)
-        for row, seq in enumerate(targets):
-            if seq.request.beam is not None:
-                k = seq.request.beam.num_candidates
-                ids, values = result.logprob_token_ids[row, 1 : 1 + k], result.logprobs[row, 1 : 1 + k]
-                proposals[seq.request][seq] = list(zip(ids.tolist(), values.tolist(), strict=True))
-        for request, by_seq in proposals.items():
-            self._advance_beams(request, [by_seq[seq] for seq in request.seqs], now)
-        return {request.request_id: request for request in proposals}
-
-    def _advance_beams(self, request: Request, proposals: list[list[tuple[int, float]]], now: float) -> None:
-        """Apply one beam search decision: a beam chosen k times forks k - 1 times (sharing its blocks, copy on
-        write), each new beam appends its token, and beams nobody continues are freed at once."""
-        parents = request.beam.step(proposals)
-        old, continued = list(request.seqs), set()
-        beams = []
-        for parent in parents:  # every fork is taken before any token lands
-            beams.append(self._fork(old[parent]) if parent in continued else old[parent])
-            continued.add(parent)
-        for seq, beam in zip(beams, request.beam.beams, strict=True):
-            seq.token_ids.append(beam.token_ids[-1])
-        for index, seq in enumerate(old):
-            if index not in continued:
-                self.scheduler.finish(seq)
-        request.seqs = beams
-        request.first_token_time = request.first_token_time or now
-        request.last_token_time = now
-
-    def _keep_beams_in_lockstep(
-        self, seqs: list[Seq], num_new_tokens: list[int]
-    ) -> tuple[list[Seq], list[int]]:
-        """The beams of a request are chosen together, so a beam samples only in a step where all its live
-        siblings sample. A split step holds the sampling ones back; when a sibling is out of the running set
-        (preempted), the running ones go back to waiting too, so the blocks they hold can bring it back
-        (their full blocks stay cached, so the recompute is short)."""
-        sampling: dict[Request, list[Seq]] = defaultdict(list)
-        for seq, num_new in zip(seqs, num_new_tokens, strict=True):
-            if seq.request.beam is not None and seq.num_computed_tokens + num_new == seq.num_tokens:
-                sampling[seq.request].append(seq)
-        dropped: set[int] = set()
-        for request, sampling_seqs in sampling.items():
-            if len(sampling_seqs) == len(request.seqs):
-                continue
-            dropped.update(seq.seq_id for seq in sampling_seqs)
-            if any(seq.status is not SequenceStatus.RUNNING for seq in request.seqs):
-                for seq in request.seqs:
-                    if seq.status is SequenceStatus.RUNNING:
-                        self._requeue(seq)
-                        dropped.add(seq.seq_id)
-        kept = [i for i, seq in enumerate(seqs) if seq.seq_id not in dropped]
-        return [seqs[i] for i in kept], [num_new_tokens[i] for i in kept]
 
     def _requeue(self, seq: Seq) -> None:
         """Recompute-preempt a running sequence: free its blocks and queue it as waiting."""
