@@ -1,12 +1,39 @@
-"""Randomised traffic: nothing compiles after warm-up, nothing leaks, every request ends exactly once."""
+"""Warm-up leaves no trace; randomised traffic: nothing compiles after warm-up, nothing leaks, every request ends
+exactly once."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
+from engine_driver import run_requests
+
 from jpaged.config import EngineConfig
 from jpaged.engine import LLMEngine
 from jpaged.sampling_params import SamplingParams
+
+
+def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_dir):
+    config = dict(
+        model=str(tiny_model_dir("smollm2_tied")),
+        max_model_len=128,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        num_blocks=32,
+    )
+    warm = LLMEngine(EngineConfig(**config))
+    for pages in warm.runner.kv_cache:
+        pages = np.asarray(pages)
+        assert np.any(pages[:, 0])  # the decode shapes ran: their padding tokens wrote the null block
+        assert not np.any(pages[:, 1:])
+    requests = {
+        f"r{i}": (list(range(100 + i, 140 + 3 * i)), SamplingParams(max_tokens=12, temperature=0.0))
+        for i in range(3)
+    }
+    eager = LLMEngine(EngineConfig(**config, enforce_eager=True))
+    warm_out, eager_out = run_requests(warm, requests), run_requests(eager, requests)
+    for request_id in requests:
+        assert warm_out[request_id].outputs[0].token_ids == eager_out[request_id].outputs[0].token_ids
 
 
 def test_300_random_requests_compile_nothing_after_warmup_and_free_every_block(tiny_model_dir):
