@@ -298,12 +298,13 @@ class ModelRunner:
         run here because a stream's every token waits on them; the larger prefill shapes, which would add ~10 s
         to a start, are left to pay it once, on first use (vLLM likewise captures its decode batch sizes)."""
         start = time.perf_counter()
-        jobs = []
+        jobs, runs = [], []
         for t, s in self.shapes.all_shapes():
             batch = _dummy_batch(t, s, self.max_blocks_per_seq)
             tensors = self.sampling_tensors([], s)
             jobs.append((self.params, self.kv_cache, batch, tensors, np.zeros((s, 2), np.int32), None))
-        runs = [job for job in jobs if job[2].token_ids.shape[0] <= self.config.max_num_seqs]
+            if t <= self.config.max_num_seqs:  # decode-sized
+                runs.append((batch, tensors))
         with (
             ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
             tqdm(
@@ -320,7 +321,7 @@ class ModelRunner:
                 self.num_compilations += 1
                 bar.update(1)
             compiled_in = time.perf_counter() - start
-            for _, _, batch, tensors, _, _ in runs:
+            for batch, tensors in runs:
                 self.execute(batch, tensors, (), None)
                 bar.update(1)
         self.warmed_up = True
