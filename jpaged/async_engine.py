@@ -116,6 +116,8 @@ class AsyncLLMEngine:
                     busy = self.engine.has_unfinished()
                     if busy:
                         outputs += self.engine.step()
+                    elif not self._stopping:
+                        busy = self.engine.warm_up_while_idle()
                     deliveries = [(self._streams.get(o.request_id), o) for o in outputs]
                     for output in outputs:
                         if output.finished:

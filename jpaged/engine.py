@@ -193,6 +193,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def warm_up_while_idle(self) -> bool:
+        """For a loop with no request to step: run one step shape that has not run yet (see
+        ModelRunner.warmup), so no later request pays its first run; False once every shape has run."""
+        return self.runner.run_unrun_shape()
+
     # ---- the loop ----
 
     def step(self) -> list[RequestOutput]:

@@ -142,6 +142,7 @@ class ModelRunner:
         self._step = jax.jit(step, static_argnames=("num_logprobs", "num_prompt_logprobs"), donate_argnums=1)
         self._saved = step_cache(config.compilation_cache_dir)
         self._compiled: dict = {}
+        self._not_run: dict = {}  # warm-up shapes never run yet -> their dummy (batch, sampling); see warmup
         self.num_compilations = 0
         self.warmed_up = False
         self._move_blocks = jax.jit(_scatter_blocks, donate_argnums=0)
@@ -249,6 +250,7 @@ class ModelRunner:
 
     def _compiled_for(self, args, num_logprobs, num_prompt_logprobs=None):
         key = self._key(args, num_logprobs, num_prompt_logprobs)
+        self._not_run.pop(key, None)
         compiled = self._compiled.get(key)
         if compiled is None:
             if self.warmed_up:
@@ -290,50 +292,59 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every (T, S) bucket pair that can occur, one compile per core at a time (XLA compiles outside
-        the GIL), then run each decode shape (T <= max_num_seqs) once on its dummy batch (every token writes to
-        the null block 0, no sequence is live); returns the seconds taken.
+        the GIL), then run each decode-sized shape (T <= max_num_seqs) once on its dummy batch (every token writes
+        to the null block 0, no sequence is live); returns the seconds taken.
 
         An executable's first run sets things up: XLA CPU builds each matmul's YNNPACK runtime then (~4 ms for
-        each of a SmolLM2 step's ~125 matmuls: ~0.5 s a decode shape, ~1 s a 512-token one). Decode shapes are
-        run here because a stream's every token waits on them; the larger prefill shapes, which would add ~10 s
-        to a start, are left to pay it once, on first use (vLLM likewise captures its decode batch sizes)."""
+        each of a SmolLM2 step's ~125 matmuls: ~0.7 s a decode shape, ~1 s a 512-token one). Decode shapes run
+        here because a stream's every token waits on them; the larger prefill shapes, which would add ~10 s to a
+        start, wait for `run_unrun_shape` (a server runs them while idle) or pay it on first use."""
         start = time.perf_counter()
-        jobs, runs = [], []
+        jobs = []
         for t, s in self.shapes.all_shapes():
             batch = _dummy_batch(t, s, self.max_blocks_per_seq)
             tensors = self.sampling_tensors([], s)
             jobs.append((self.params, self.kv_cache, batch, tensors, np.zeros((s, 2), np.int32), None))
-            if t <= self.config.max_num_seqs:  # decode-sized
-                runs.append((batch, tensors))
         with (
             ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
-            tqdm(
-                total=len(jobs) + len(runs),
-                desc="warm-up (compile step shapes, run decode ones)",
-                disable=not progress,
-            ) as bar,
+            tqdm(total=len(jobs), desc="warm-up (compiling step shapes)", disable=not progress) as bar,
         ):
-            futures = {
-                self._key(args, None, None): pool.submit(self._compile, args, None, None) for args in jobs
-            }
-            for key, future in futures.items():
+            futures = [(args, pool.submit(self._compile, args, None, None)) for args in jobs]
+            for args, future in futures:
+                key = self._key(args, None, None)
                 self._compiled[key] = future.result()
+                self._not_run[key] = args[2:4]  # the dummy batch and sampling tensors
                 self.num_compilations += 1
                 bar.update(1)
-            compiled_in = time.perf_counter() - start
-            for batch, tensors in runs:
-                self.execute(batch, tensors, (), None)
-                bar.update(1)
+        compiled_in = time.perf_counter() - start
+        limit = self.config.max_num_seqs
+        decode_sized = [(b, t) for b, t in self._not_run.values() if b.token_ids.shape[0] <= limit]
+        for batch, tensors in tqdm(decode_sized, desc="warm-up (first runs)", disable=not progress):
+            self.execute(batch, tensors, (), None)
         self.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info(
             "warm-up: %d step shapes compiled (or loaded) in %.1f s, %d decode shapes run once in %.1f s",
             self.num_compilations,
             compiled_in,
-            len(runs),
+            len(decode_sized),
             seconds - compiled_in,
         )
         return seconds
+
+    @property
+    def num_unrun_shapes(self) -> int:
+        """Warm-up shapes that have not run yet: each pays its first-run set-up (see warmup) when it does."""
+        return len(self._not_run)
+
+    def run_unrun_shape(self) -> bool:
+        """Run one warm-up shape that has not run yet on its dummy batch (the smallest first); False when none
+        is left. For a loop with nothing else to do: it writes only the null block, like padding does."""
+        if not self._not_run:
+            return False
+        batch, tensors = next(iter(self._not_run.values()))
+        self.execute(batch, tensors, (), None)  # forgets the shape (_compiled_for)
+        return True
 
     # ---- swap transfers ----
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -79,3 +80,27 @@ def test_a_consumer_that_stops_early_aborts_its_request(engine):
         return False
 
     assert asyncio.run(main())
+
+
+def test_an_idle_loop_gives_every_warm_up_shape_its_first_run(tiny_model_dir):
+    config = EngineConfig(
+        model=str(tiny_model_dir("llama")),
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_blocks=64,
+    )
+    engine = LLMEngine(config)
+    assert engine.runner.num_unrun_shapes > 0  # the prefill-sized shapes wait for idle time
+    async_engine = AsyncLLMEngine(engine)
+    try:
+        deadline = time.monotonic() + 120
+        while engine.runner.num_unrun_shapes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.runner.num_unrun_shapes == 0
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        outputs = asyncio.run(collect(async_engine, "after", [1, 2, 3], params))
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
+        assert engine.metrics()["num_compilations"] == len(engine.runner.shapes.all_shapes())
+    finally:
+        async_engine.shutdown(timeout=5)

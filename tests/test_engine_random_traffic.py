@@ -13,6 +13,13 @@ from jpaged.engine import LLMEngine
 from jpaged.sampling_params import SamplingParams
 
 
+def assert_only_null_block_written(engine: LLMEngine) -> None:
+    for pages in engine.runner.kv_cache:
+        pages = np.asarray(pages)
+        assert np.any(pages[:, 0])  # the dummy runs' padding tokens wrote there
+        assert not np.any(pages[:, 1:])
+
+
 def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_dir):
     config = dict(
         model=str(tiny_model_dir("smollm2_tied")),
@@ -22,10 +29,15 @@ def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_
         num_blocks=32,
     )
     warm = LLMEngine(EngineConfig(**config))
-    for pages in warm.runner.kv_cache:
-        pages = np.asarray(pages)
-        assert np.any(pages[:, 0])  # the decode shapes ran: their padding tokens wrote the null block
-        assert not np.any(pages[:, 1:])
+    shapes = warm.runner.shapes.all_shapes()
+    prefill_sized = [t for t, _ in shapes if t > config["max_num_seqs"]]
+    assert prefill_sized and warm.runner.num_unrun_shapes == len(prefill_sized)  # decode-sized ones ran
+    assert_only_null_block_written(warm)
+    runs = 0
+    while warm.warm_up_while_idle():  # what a server loop does with nothing to step
+        runs += 1
+    assert runs == len(prefill_sized) and warm.runner.num_unrun_shapes == 0
+    assert_only_null_block_written(warm)
     requests = {
         f"r{i}": (list(range(100 + i, 140 + 3 * i)), SamplingParams(max_tokens=12, temperature=0.0))
         for i in range(3)
@@ -34,6 +46,22 @@ def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_
     warm_out, eager_out = run_requests(warm, requests), run_requests(eager, requests)
     for request_id in requests:
         assert warm_out[request_id].outputs[0].token_ids == eager_out[request_id].outputs[0].token_ids
+    assert warm.metrics()["num_compilations"] == len(shapes)
+
+
+def test_a_step_counts_as_its_shapes_first_run(tiny_model_dir):
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir("smollm2_tied")),
+            max_model_len=128,
+            max_num_seqs=16,
+            max_num_batched_tokens=64,
+            num_blocks=32,
+        )
+    )
+    before = engine.runner.num_unrun_shapes
+    run_requests(engine, {"long": (list(range(100, 160)), SamplingParams(max_tokens=2))})  # a T=64 prefill
+    assert engine.runner.num_unrun_shapes == before - 1
 
 
 def test_300_random_requests_compile_nothing_after_warmup_and_free_every_block(tiny_model_dir):
