@@ -238,10 +238,12 @@ def test_stale_nan_in_unowned_cache_slots_never_reaches_the_output(cfg):
     assert relative_error(out, oracle(cfg, args), step) < TOLERANCE[cfg.dtype]
 
 
-def test_step_without_sequences_gives_finite_output():
-    step = draw_step(np.random.default_rng(4), GPU_F32)
+@pytest.mark.parametrize("cfg", [GPU_F32, TPU_F32], ids=lambda c: c.id)
+def test_step_without_sequences_gives_finite_output(cfg):
+    """What warm-up's dummy runs send: no live sequence at all."""
+    step = draw_step(np.random.default_rng(4), cfg)
     step["num_seqs"][:] = 0
-    assert np.isfinite(run_kernel(GPU_F32, device_args(step, GPU_F32.dtype))).all()
+    assert np.isfinite(run_kernel(cfg, device_args(step, cfg.dtype))).all()
 
 
 @pytest.mark.parametrize("kernel", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)], ids=["gpu", "tpu"])
