@@ -14,7 +14,6 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
-from jpaged.executable_cache import ExecutableCache
+from jpaged.executable_cache import step_cache
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import KVCache, StepBatch, device_params, forward, init_kv_cache
 from jpaged.pallas import get_attention_fn
@@ -30,11 +29,11 @@ from jpaged.sampler import (
     SamplerOutput,
     SamplingRow,
     SamplingTensors,
-    build_sampling_tensors,
     gather_logprobs,
     sample,
 )
 from jpaged.sequence import Sequence as Seq
+from jpaged.step_sampling import step_sampling_tensors
 from jpaged.step_shapes import StepShapes
 
 logger = logging.getLogger(__name__)
@@ -81,37 +80,6 @@ def _copy_blocks(kv_cache: KVCache, copies: jax.Array) -> KVCache:
 def _step_params(params: dict) -> dict:
     """The params layout the step reads: on CPU each layer's matrices as separate arrays (llama.device_params)."""
     return device_params(params) if jax.default_backend() == "cpu" else params
-
-
-def step_cache(directory: str | None) -> ExecutableCache:
-    """Where compiled steps persist across restarts (`directory`, default ~/.cache/jpaged/xla).
-
-    On CPU, jpaged's executable cache: whole executables, so a restart skips tracing and lowering as well (SmolLM2's
-    22 step shapes: ~4 s instead of ~24 s). It replaces JAX's persistent compilation cache there, because an
-    executable that came from that cache serialises again without some of its kernels (jaxlib 0.10: "Function
-    wrapped_iota not found" when run). Elsewhere, or when the user chose JAX's cache directory, JAX's cache.
-    """
-    root = Path(directory) if directory else Path.home() / ".cache" / "jpaged" / "xla"
-    if jax.config.jax_compilation_cache_dir:
-        return ExecutableCache(None)  # the user (or JAX_COMPILATION_CACHE_DIR) chose JAX's cache
-    if jax.default_backend() == "cpu":
-        return ExecutableCache(root / "executables")
-    jax.config.update("jax_compilation_cache_dir", str(root))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    return ExecutableCache(None)
-
-
-def step_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int) -> SamplingTensors:
-    """Per-row sampling arrays, always with keys and top-k/top-p (an all-greedy batch skips the draw on
-    device), so greedy and sampled batches share one compiled program per shape."""
-    tensors = build_sampling_tensors(rows, num_rows, vocab_size)
-    if tensors.keys is None:
-        tensors = tensors._replace(
-            keys=np.zeros((num_rows, 2), np.uint32), steps=np.zeros(num_rows, np.int32)
-        )
-    if tensors.top_k is None:
-        tensors = tensors._replace(top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32))
-    return tensors
 
 
 class ModelRunner:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from jpaged.sampler import SamplingRow, SamplingTensors, logprobs_bucket
+import numpy as np
+
+from jpaged.sampler import SamplingRow, SamplingTensors, build_sampling_tensors, logprobs_bucket
 from jpaged.sampling_params import SamplingParams
 from jpaged.sequence import Request
 from jpaged.sequence import Sequence as Seq
@@ -95,3 +97,16 @@ class StepSampling:
             num_logprobs = logprobs_bucket(sampling_rows)
         self._static = (row_seqs, tensors, num_rows, num_logprobs) if all_static else None
         return tensors, num_logprobs
+
+
+def step_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int) -> SamplingTensors:
+    """Per-row sampling arrays, always with keys and top-k/top-p (an all-greedy batch skips the draw on
+    device), so greedy and sampled batches share one compiled program per shape."""
+    tensors = build_sampling_tensors(rows, num_rows, vocab_size)
+    if tensors.keys is None:
+        tensors = tensors._replace(
+            keys=np.zeros((num_rows, 2), np.uint32), steps=np.zeros(num_rows, np.int32)
+        )
+    if tensors.top_k is None:
+        tensors = tensors._replace(top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32))
+    return tensors
