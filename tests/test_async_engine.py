@@ -15,17 +15,14 @@ from jpaged.sampling_params import SamplingParams
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
 
+def small_config(tiny_model_dir, **overrides) -> EngineConfig:
+    args = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64)
+    return EngineConfig(model=str(tiny_model_dir("llama")), **{**args, **overrides})
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    config = EngineConfig(
-        model=str(tiny_model_dir("llama")),
-        max_model_len=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        num_blocks=64,
-        enforce_eager=True,
-    )
-    async_engine = AsyncLLMEngine(LLMEngine(config))
+    async_engine = AsyncLLMEngine(LLMEngine(small_config(tiny_model_dir, enforce_eager=True)))
     yield async_engine
     async_engine.shutdown(timeout=5)
 
@@ -83,14 +80,7 @@ def test_a_consumer_that_stops_early_aborts_its_request(engine):
 
 
 def test_an_idle_loop_gives_every_warm_up_shape_its_first_run(tiny_model_dir):
-    config = EngineConfig(
-        model=str(tiny_model_dir("llama")),
-        max_model_len=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        num_blocks=64,
-    )
-    engine = LLMEngine(config)
+    engine = LLMEngine(small_config(tiny_model_dir))
     assert engine.runner.num_unrun_shapes > 0  # the prefill-sized shapes wait for idle time
     async_engine = AsyncLLMEngine(engine)
     try:

@@ -20,17 +20,15 @@ def assert_only_null_block_written(engine: LLMEngine) -> None:
         assert not np.any(pages[:, 1:])
 
 
+def small_engine(tiny_model_dir, **overrides) -> LLMEngine:
+    args = dict(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_blocks=32)
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **{**args, **overrides}))
+
+
 def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_dir):
-    config = dict(
-        model=str(tiny_model_dir("smollm2_tied")),
-        max_model_len=128,
-        max_num_seqs=16,
-        max_num_batched_tokens=64,
-        num_blocks=32,
-    )
-    warm = LLMEngine(EngineConfig(**config))
+    warm = small_engine(tiny_model_dir)
     shapes = warm.runner.shapes.all_shapes()
-    prefill_sized = [t for t, _ in shapes if t > config["max_num_seqs"]]
+    prefill_sized = [t for t, _ in shapes if t > warm.config.max_num_seqs]
     assert prefill_sized and warm.runner.num_unrun_shapes == len(prefill_sized)  # decode-sized ones ran
     assert_only_null_block_written(warm)
     runs = 0
@@ -42,7 +40,7 @@ def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_
         f"r{i}": (list(range(100 + i, 140 + 3 * i)), SamplingParams(max_tokens=12, temperature=0.0))
         for i in range(3)
     }
-    eager = LLMEngine(EngineConfig(**config, enforce_eager=True))
+    eager = small_engine(tiny_model_dir, enforce_eager=True)
     warm_out, eager_out = run_requests(warm, requests), run_requests(eager, requests)
     for request_id in requests:
         assert warm_out[request_id].outputs[0].token_ids == eager_out[request_id].outputs[0].token_ids
@@ -50,30 +48,14 @@ def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_
 
 
 def test_a_step_counts_as_its_shapes_first_run(tiny_model_dir):
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dir("smollm2_tied")),
-            max_model_len=128,
-            max_num_seqs=16,
-            max_num_batched_tokens=64,
-            num_blocks=32,
-        )
-    )
+    engine = small_engine(tiny_model_dir)
     before = engine.runner.num_unrun_shapes
     run_requests(engine, {"long": (list(range(100, 160)), SamplingParams(max_tokens=2))})  # a T=64 prefill
     assert engine.runner.num_unrun_shapes == before - 1
 
 
 def test_300_random_requests_compile_nothing_after_warmup_and_free_every_block(tiny_model_dir):
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dir("smollm2_tied")),
-            max_model_len=256,
-            max_num_seqs=16,
-            max_num_batched_tokens=64,
-            num_blocks=48,  # tight: preemption happens under this load
-        )
-    )
+    engine = small_engine(tiny_model_dir, max_model_len=256, num_blocks=48)  # tight: preemption happens
     compiled_at_warmup = engine.metrics()["num_compilations"]
     assert compiled_at_warmup > 0
     rng = random.Random(1234)
