@@ -29,7 +29,9 @@ class EngineConfig:
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU/TPU
     seed: int = 0
     tensor_parallel_size: int = 1
-    attention_impl: str = "auto"  # "reference" (XLA) or "pallas"; auto picks by platform
+    attention_impl: str = (
+        "auto"  # "reference" (XLA), "pallas" (GPU/TPU) or "cpu" (C++); auto picks by platform
+    )
     enforce_eager: bool = False  # skip warm-up; buckets compile on first use
     compilation_cache_dir: str | None = None  # compiled steps kept here; default ~/.cache/jpaged/xla
 

@@ -3,7 +3,7 @@
 JAX's persistent compilation cache skips XLA's compile, but every step shape is still traced and lowered first
 (~0.7 s a shape for SmolLM2's 30 layers on the 2-core CPU: most of a warm start). Here the compiled executable
 itself is serialised (jax.experimental.serialize_executable) under a key that covers what the program depends
-on: the jpaged sources, the jax and jaxlib versions, the devices, XLA_FLAGS and the jax options that change
+on: the jpaged sources (C++ kernels included), the jax and jaxlib versions, the devices, XLA_FLAGS and the jax options that change
 lowering, and the step's own inputs (every argument's shape and dtype, the model config, static arguments). An
 entry that fails to load is compiled again and replaced.
 """
@@ -29,7 +29,7 @@ _PACKAGE = Path(__file__).resolve().parent
 def environment_fingerprint() -> str:
     """What every compiled step depends on beyond its own inputs."""
     digest = hashlib.sha256()
-    for path in sorted(_PACKAGE.rglob("*.py")):
+    for path in sorted([*_PACKAGE.rglob("*.py"), *_PACKAGE.rglob("*.cc")]):
         digest.update(str(path.relative_to(_PACKAGE)).encode())
         digest.update(path.read_bytes())
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]

@@ -24,7 +24,7 @@ from jpaged.config import EngineConfig
 from jpaged.executable_cache import step_cache
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import KVCache, StepBatch, device_params, forward, init_kv_cache
-from jpaged.pallas import get_attention_fn
+from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.sampler import (
     SamplerOutput,
     SamplingRow,
@@ -99,8 +99,11 @@ class ModelRunner:
         self.params = jax.device_put(_step_params(params))
         self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.dtype)
         self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)
+        self.attention_impl = resolve_attention_impl(
+            config.attention_impl, head_dim=model_config.head_dim, dtype=self.dtype
+        )
         attention = get_attention_fn(
-            config.attention_impl,
+            self.attention_impl,
             num_kv_heads=model_config.num_kv_heads,
             block_size=config.block_size,
             head_dim=model_config.head_dim,
@@ -247,7 +250,7 @@ class ModelRunner:
             str(jax.tree_util.tree_structure(args)),
             leaves,
             repr(self.model_config),
-            self.config.attention_impl,
+            self.attention_impl,
             num_logprobs,
             num_prompt_logprobs,
         )

@@ -11,6 +11,7 @@ and prints the attention share of the step and how far attention is from the KV-
 
   python scripts/bench_decode_step.py                          # 8 x 384 and 64 x 256 (S x context)
   python scripts/bench_decode_step.py --shapes 64x256 --repeats 9
+  python scripts/bench_decode_step.py --attention reference,cpu   # XLA reference beside the C++ CPU kernel
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path
 from jpaged.model_runner import _step_params  # noqa: E402
 from jpaged.models.llama import StepBatch, forward, init_kv_cache  # noqa: E402
 from jpaged.models.loader import load_model  # noqa: E402
-from jpaged.pallas import get_attention_fn  # noqa: E402
+from jpaged.pallas import get_attention_fn, resolve_attention_impl  # noqa: E402
 
 BLOCK_SIZE = 16
 KV_READ_PAGES = 4
@@ -146,28 +147,36 @@ def main() -> None:
     )
     parser.add_argument("--shapes", default="8x384,64x256", help="S x context pairs")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--attention", default="auto", help="attention_impl values to compare, comma-separated"
+    )
     args = parser.parse_args()
 
     model = load_model(None, progress=False)
     config = model.config
     params = jax.device_put(_step_params(model.params))
-    attention = get_attention_fn(
-        num_kv_heads=config.num_kv_heads, block_size=BLOCK_SIZE, head_dim=config.head_dim, dtype=jnp.float32
-    )
+    layout = dict(head_dim=config.head_dim, dtype=jnp.float32)
+    impls = [resolve_attention_impl(impl, **layout) for impl in args.attention.split(",")]
     print(f"{config.num_layers} layers, float32, {jax.devices()[0].device_kind}; median of {args.repeats}")
     print(
-        "| S x context | step ms | no attention | attention | KV read | attention share | attention / KV read |"
+        "| S x context | attention impl | step ms | no attention | attention | KV read | attention share "
+        "| attention / KV read |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         num_seqs, context = map(int, shape.split("x"))
-        t = time_shape(params, config, attention, num_seqs, context, args.repeats)
-        share = (t["step"] - t["no attention"]) / t["step"]
-        rate = t["KV bytes"] / t["KV read"] / 1e6
-        print(
-            f"| {num_seqs} x {context} | {t['step']:.0f} | {t['no attention']:.0f} | {t['attention']:.0f} "
-            f"| {t['KV read']:.0f} ({rate:.1f} GB/s) | {share:.0%} | {t['attention'] / t['KV read']:.1f}x |"
-        )
+        for impl in impls:
+            attention = get_attention_fn(
+                impl, num_kv_heads=config.num_kv_heads, block_size=BLOCK_SIZE, **layout
+            )
+            t = time_shape(params, config, attention, num_seqs, context, args.repeats)
+            share = (t["step"] - t["no attention"]) / t["step"]
+            rate = t["KV bytes"] / t["KV read"] / 1e6
+            print(
+                f"| {num_seqs} x {context} | {impl} | {t['step']:.0f} | {t['no attention']:.0f} "
+                f"| {t['attention']:.0f} | {t['KV read']:.0f} ({rate:.1f} GB/s) | {share:.0%} "
+                f"| {t['attention'] / t['KV read']:.1f}x |"
+            )
     print("\ncommand: python scripts/bench_decode_step.py " + " ".join(sys.argv[1:]))
 
 

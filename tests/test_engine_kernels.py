@@ -1,15 +1,16 @@
-"""The engine gives the same greedy tokens with the Pallas kernel (interpret mode on CPU) as with the reference."""
+"""The engine gives the same greedy tokens with the Pallas kernel (interpret mode on CPU) and the C++ CPU kernel as
+with the XLA reference."""
 
 from __future__ import annotations
 
 from jpaged import LLM, SamplingParams
 
 
-def test_pallas_kernel_and_reference_generate_the_same_greedy_tokens(tiny_model_dir):
+def test_kernels_and_reference_generate_the_same_greedy_tokens(tiny_model_dir):
     prompts = [[11, 22, 33, 44, 55], list(range(100, 140))]  # a short prompt beside a multi-block one
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs = {}
-    for impl in ("reference", "pallas"):
+    for impl in ("reference", "pallas", "cpu"):
         llm = LLM(
             str(tiny_model_dir("qwen2_bias")),
             attention_impl=impl,
@@ -21,4 +22,5 @@ def test_pallas_kernel_and_reference_generate_the_same_greedy_tokens(tiny_model_
         )
         outputs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["pallas"] == outputs["reference"]
+    assert outputs["cpu"] == outputs["reference"]
     assert all(len(tokens) == 6 for tokens in outputs["pallas"])

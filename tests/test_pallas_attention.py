@@ -1,8 +1,9 @@
-"""The ragged paged attention kernels, run on CPU in interpret mode, against a float64 numpy oracle and the XLA
-reference, on fresh random steps: ragged query lengths, partial last blocks, GQA, padding sequences and rows.
+"""The ragged paged attention kernels against a float64 numpy oracle and the XLA reference, on fresh random steps:
+ragged query lengths, partial last blocks, GQA, padding sequences and rows.
 
 The GPU kernel runs under Pallas' generic interpreter; the TPU kernel under its TPU simulator (DMAs and
-semaphores modelled, scratch filled with NaN). Each static configuration compiles once and sees several draws.
+semaphores modelled, scratch filled with NaN); the C++ CPU kernel (cpu_attention) natively, built on first use.
+Each static configuration compiles once and sees several draws.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import numpy as np
 import pytest
 from numpy_attention import ragged_paged_attention_numpy
 
+from jpaged.pallas import cpu_attention as cpu
 from jpaged.pallas import ragged_paged_attention as gpu
 from jpaged.pallas import ragged_paged_attention_tpu as tpu
+from jpaged.pallas import resolve_attention_impl
 from jpaged.pallas.reference import ragged_paged_attention_reference
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
@@ -41,7 +44,7 @@ DECODE = Bucket(num_tokens=64, num_seq_slots=32, max_q_len=12, max_context=300)
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    kernel: str  # "gpu" | "tpu"
+    kernel: str  # "gpu" | "tpu" | "cpu"
     dtype: str
     block_size: int
     num_kv_heads: int
@@ -66,7 +69,14 @@ class Config:
 GPU_F32 = Config("gpu", "float32", 16, 2, 4, 32, PREFILL)
 GPU_BF16 = Config("gpu", "bfloat16", 16, 2, 4, 32, PREFILL)
 TPU_F32 = Config("tpu", "float32", 16, 2, 4, 32, PREFILL)
+CPU_F32 = Config("cpu", "float32", 16, 3, 3, 64, PREFILL)  # SmolLM2's heads
+CPU_BF16 = Config("cpu", "bfloat16", 16, 2, 4, 128, PREFILL)
 CONFIGS = [
+    CPU_F32,
+    Config("cpu", "float32", 32, 2, 4, 24, DECODE, sliding_window=40),  # D=24: a partial 64-float chunk
+    Config("cpu", "float32", 16, 1, 8, 32, PREFILL, soft_cap=2.0),
+    CPU_BF16,
+    Config("cpu", "bfloat16", 32, 4, 1, 64, DECODE, sliding_window=40, soft_cap=2.0),
     GPU_F32,
     Config("gpu", "float32", 32, 3, 3, 32, DECODE),
     Config("gpu", "float32", 16, 2, 1, 24, PREFILL, sliding_window=40),  # D=24: lanes padded to 32
@@ -156,7 +166,9 @@ def kernel_fn(cfg: Config, num_layers: int = 1):
         logits_soft_cap=cfg.soft_cap,
         interpret=True,
     )
-    if cfg.kernel == "gpu":
+    if cfg.kernel == "cpu":
+        stacked = cpu.ragged_paged_attention_stacked
+    elif cfg.kernel == "gpu":
         options.update(tiling=gpu.DECODE_TILING if cfg.bucket is DECODE else gpu.PREFILL_TILING)
         stacked = gpu.ragged_paged_attention_stacked
     else:
@@ -205,7 +217,7 @@ def relative_error(out: np.ndarray, expected: np.ndarray, step: dict[str, np.nda
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.id)
 def test_kernel_matches_float64_numpy_on_random_ragged_steps(cfg):
     rng = np.random.default_rng(zlib.crc32(cfg.id.encode()))
-    for _ in range(3 if cfg.kernel == "gpu" else 1):  # the TPU simulator takes seconds per call
+    for _ in range(1 if cfg.kernel == "tpu" else 3):  # the TPU simulator takes seconds per call
         step = draw_step(rng, cfg)
         args = device_args(step, cfg.dtype)
         out = run_kernel(cfg, args)
@@ -213,10 +225,10 @@ def test_kernel_matches_float64_numpy_on_random_ragged_steps(cfg):
         assert relative_error(out, oracle(cfg, args), step) < TOLERANCE[cfg.dtype]
 
 
-@pytest.mark.parametrize("cfg", [GPU_F32, GPU_BF16, TPU_F32], ids=lambda c: c.id)
+@pytest.mark.parametrize("cfg", [GPU_F32, GPU_BF16, TPU_F32, CPU_F32, CPU_BF16], ids=lambda c: c.id)
 def test_public_entry_point_matches_xla_reference(cfg):
     """Through `ragged_paged_attention` itself: 4-D pages, tiling chosen from the bucket's shapes."""
-    module = gpu if cfg.kernel == "gpu" else tpu
+    module = {"gpu": gpu, "tpu": tpu, "cpu": cpu}[cfg.kernel]
     options = dict(sm_scale=sm_scale(cfg), sliding_window=cfg.sliding_window, logits_soft_cap=cfg.soft_cap)
     step = draw_step(np.random.default_rng(7), cfg)
     args = device_args(step, cfg.dtype)
@@ -228,7 +240,7 @@ def test_public_entry_point_matches_xla_reference(cfg):
     )
 
 
-@pytest.mark.parametrize("cfg", [GPU_F32, TPU_F32], ids=lambda c: c.id)
+@pytest.mark.parametrize("cfg", [GPU_F32, TPU_F32, CPU_F32], ids=lambda c: c.id)
 def test_stale_nan_in_unowned_cache_slots_never_reaches_the_output(cfg):
     """The null block, free blocks and the tails of partial blocks may hold anything; none of it is read."""
     step = draw_step(np.random.default_rng(3), cfg, stale_value=np.nan)
@@ -238,7 +250,7 @@ def test_stale_nan_in_unowned_cache_slots_never_reaches_the_output(cfg):
     assert relative_error(out, oracle(cfg, args), step) < TOLERANCE[cfg.dtype]
 
 
-@pytest.mark.parametrize("cfg", [GPU_F32, TPU_F32], ids=lambda c: c.id)
+@pytest.mark.parametrize("cfg", [GPU_F32, TPU_F32, CPU_F32], ids=lambda c: c.id)
 def test_step_without_sequences_gives_finite_output(cfg):
     """What warm-up's dummy runs send: no live sequence at all."""
     step = draw_step(np.random.default_rng(4), cfg)
@@ -246,9 +258,11 @@ def test_step_without_sequences_gives_finite_output(cfg):
     assert np.isfinite(run_kernel(cfg, device_args(step, cfg.dtype))).all()
 
 
-@pytest.mark.parametrize("kernel", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)], ids=["gpu", "tpu"])
-def test_stacked_cache_attends_over_the_requested_layer_only(kernel):
-    cfg = dataclasses.replace(GPU_F32 if kernel == "gpu" else TPU_F32, bucket=DECODE)
+@pytest.mark.parametrize(
+    "cfg", [GPU_F32, pytest.param(TPU_F32, marks=pytest.mark.slow), CPU_F32], ids=lambda c: c.id
+)
+def test_stacked_cache_attends_over_the_requested_layer_only(cfg):
+    cfg = dataclasses.replace(cfg, bucket=DECODE)
     step = draw_step(np.random.default_rng(5), cfg)
     q, k_pages, v_pages, *metadata = device_args(step, cfg.dtype)
     decoy = jnp.full_like(k_pages, 100.0)  # layer 0: would dominate any softmax it leaked into
@@ -276,7 +290,7 @@ def _valid_inputs() -> dict[str, jax.Array]:
     )
 
 
-@pytest.mark.parametrize("module", [gpu, tpu], ids=["gpu", "tpu"])
+@pytest.mark.parametrize("module", [gpu, tpu, cpu], ids=["gpu", "tpu", "cpu"])
 @pytest.mark.parametrize(
     ("field", "bad_value", "options"),
     [
@@ -309,3 +323,27 @@ def test_tpu_kernel_rejects_kv_head_counts_vmem_cannot_tile(num_kv_heads, dtype)
     inputs["k_pages"] = inputs["v_pages"] = jnp.zeros((9, 16, num_kv_heads, 32), dtype)
     with pytest.raises(ValueError, match="k_pages heads"):
         tpu.ragged_paged_attention(*inputs.values(), sm_scale=1.0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "message"),
+    [(jnp.float16, 32, "float32 or bfloat16"), (jnp.float32, 20, "multiple of 8")],
+)
+def test_cpu_kernel_rejects_layouts_it_cannot_vectorise_and_auto_falls_back_to_the_reference(
+    dtype, head_dim, message
+):
+    inputs = _valid_inputs()
+    inputs["q"] = jnp.zeros((16, 8, head_dim), dtype)
+    inputs["k_pages"] = inputs["v_pages"] = jnp.zeros((9, 16, 2, head_dim), dtype)
+    with pytest.raises(ValueError, match=message):
+        cpu.ragged_paged_attention(*inputs.values(), sm_scale=1.0)
+    assert resolve_attention_impl("auto", head_dim=head_dim, dtype=dtype, backend="cpu") == "reference"
+    with pytest.raises(ValueError, match=message):
+        resolve_attention_impl("cpu", head_dim=head_dim, dtype=dtype, backend="cpu")
+
+
+def test_auto_takes_the_cpu_kernel_on_cpu_and_pallas_elsewhere():
+    assert resolve_attention_impl("auto", head_dim=64, dtype=jnp.float32, backend="cpu") == "cpu"
+    assert resolve_attention_impl("auto", head_dim=64, dtype=jnp.bfloat16, backend="gpu") == "pallas"
+    with pytest.raises(ValueError, match="CPU backend only"):
+        resolve_attention_impl("cpu", head_dim=64, dtype=jnp.float32, backend="gpu")

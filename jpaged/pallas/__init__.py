@@ -2,7 +2,8 @@
 
 Every implementation answers `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start,
 num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None, interpret=False)` (see reference.py for shapes).
-The model calls the *stacked* form, `fn(q, k_cache, v_cache, layer, ...)` over a cache `[L, N, B, Hk, D]`, which
+Implementations: `reference` (XLA), `pallas` (GPU/TPU kernels; interpret mode on CPU, for tests) and `cpu` (a C++
+kernel called through XLA's FFI, built on first use; see cpu_attention.py). The model calls the *stacked* form, `fn(q, k_cache, v_cache, layer, ...)` over a cache `[L, N, B, Hk, D]`, which
 `get_attention_fn` builds for the chosen implementation.
 """
 
@@ -14,9 +15,10 @@ from collections.abc import Callable
 
 import jax
 
+from jpaged.pallas import cpu_attention
 from jpaged.pallas.reference import paged_attention_stacked, ragged_paged_attention_reference
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas")
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +30,30 @@ __all__ = [
 ]
 
 
-def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
-    """`auto` means the Pallas kernel on GPU/TPU and the XLA reference on CPU (interpret mode is for tests)."""
+def resolve_attention_impl(impl: str, *, head_dim: int, dtype, backend: str | None = None) -> str:
+    """The implementation `impl` means here. `auto`: the Pallas kernel on GPU/TPU; on CPU the C++ kernel where it
+    builds and takes the cache's dtype and head size, else the XLA reference (with a warning saying why)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    backend = backend or jax.default_backend()
+    if impl == "cpu" and backend != "cpu":
+        raise ValueError(f"attention_impl='cpu' runs on the CPU backend only, not {backend}")
     if impl != "auto":
+        if impl == "cpu":
+            cpu_attention.check_layout(head_dim, dtype)
+            if not cpu_attention.available():
+                raise ValueError(
+                    "attention_impl='cpu': the kernel could not be built (see the warning above)"
+                )
         return impl
-    return "reference" if (backend or jax.default_backend()) == "cpu" else "pallas"
+    if backend != "cpu":
+        return "pallas"
+    try:
+        cpu_attention.check_layout(head_dim, dtype)
+    except ValueError as err:
+        logger.warning("CPU attention kernel: %s; using the XLA reference", err)
+        return "reference"
+    return "cpu" if cpu_attention.available() else "reference"
 
 
 def _pallas_kernel(backend: str) -> Callable:
@@ -51,8 +70,11 @@ def get_attention_fn(
 ) -> Callable:
     """The stacked-cache attention callable for `impl` on the current backend and this cache layout."""
     backend = jax.default_backend()
-    if resolve_attention_impl(impl, backend) == "reference":
+    impl = resolve_attention_impl(impl, head_dim=head_dim, dtype=dtype, backend=backend)
+    if impl == "reference":
         return paged_attention_stacked
+    if impl == "cpu":
+        return cpu_attention.ragged_paged_attention_stacked
     if backend == "tpu":
         from jpaged.pallas.ragged_paged_attention_tpu import check_tpu_layout
 

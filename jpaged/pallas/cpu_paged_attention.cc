@@ -1,0 +1,342 @@
+// Ragged paged attention for the CPU, as an XLA FFI custom call (see cpu_attention.py for the build and the
+// contract, which is the same as reference.py's).
+//
+// Why it exists: in XLA the attention of a decode step gathers every sequence's pages into a fresh array and
+// transposes it before the dots, reading and writing the KV data ~3x over. Here each page is read once, in place,
+// with an online softmax per block of keys. Work items are (sequence, tile of query rows), shared among XLA's
+// CPU threads; each item's arithmetic depends only on its own sequence, so a row's output does not depend on what
+// else is in the batch.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kNeg = -1e30f;  // finite "minus infinity", as in reference.py
+constexpr int kRowTile = 16;    // query rows per work item: a tile's keys stay in cache across its rows
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t x) {  // bfloat16 bits
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void FromFloat(float x, float* out) { *out = x; }
+inline void FromFloat(float x, uint16_t* out) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+
+struct Problem {
+  int num_kv_heads, group, head_dim, block_size, table_width, num_blocks;
+  float scale, soft_cap;  // soft_cap 0: none
+  int window;             // 0: none
+  const int32_t* kv_lens;
+  const int32_t* block_tables;
+  const int32_t* query_start;
+};
+
+struct Item {
+  int seq, row0, rows;
+};
+
+// Eight floats, loaded and stored unaligned; GCC and Clang lower it to the machine's SIMD (AVX, NEON...).
+typedef float V8 __attribute__((vector_size(32), aligned(4), may_alias));
+
+inline V8 Load(const float* x) { return *reinterpret_cast<const V8*>(x); }
+inline void Store(float* x, V8 v) { *reinterpret_cast<V8*>(x) = v; }
+inline float Sum(V8 v) { return (v[0] + v[4]) + (v[1] + v[5]) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// A page row of one head as floats: in place for float32, converted into `buffer` for bfloat16.
+inline const float* Row(const float* src, float*, int) { return src; }
+inline const float* Row(const uint16_t* src, float* buffer, int D) {
+  for (int d = 0; d < D; ++d) buffer[d] = ToFloat(src[d]);
+  return buffer;
+}
+
+// scores[j] = q . keys[j] for `count` keys, eight at a time: independent accumulators keep the FMA units busy
+// (one dot alone waits on its own chain of additions).
+inline void Dots(const float* q, const float* const* keys, int count, int D, float* scores) {
+  int j = 0;
+  for (; j + 8 <= count; j += 8) {
+    V8 a[8] = {};
+    for (int d = 0; d < D; d += 8) {
+      const V8 qv = Load(q + d);
+      for (int k = 0; k < 8; ++k) a[k] += qv * Load(keys[j + k] + d);
+    }
+    for (int k = 0; k < 8; ++k) scores[j + k] = Sum(a[k]);
+  }
+  for (; j < count; ++j) {
+    V8 a = {};
+    for (int d = 0; d < D; d += 8) a += Load(q + d) * Load(keys[j] + d);
+    scores[j] = Sum(a);
+  }
+}
+
+// scores[r * stride + j] = q_r . keys[j] for eight queries given transposed (`queries_t` [D][8]): each key row
+// element is broadcast against eight queries at once, so no horizontal sums; eight keys keep eight chains going.
+inline void Dots8(const float* queries_t, const float* const* keys, int count, int D, float* scores, int stride) {
+  for (int j0 = 0; j0 < count; j0 += 8) {
+    const int last = std::min(8, count - j0) - 1;  // a short group repeats its last key
+    const float *k0 = keys[j0], *k1 = keys[j0 + std::min(1, last)], *k2 = keys[j0 + std::min(2, last)],
+                *k3 = keys[j0 + std::min(3, last)], *k4 = keys[j0 + std::min(4, last)],
+                *k5 = keys[j0 + std::min(5, last)], *k6 = keys[j0 + std::min(6, last)], *k7 = keys[j0 + last];
+    V8 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+    for (int d = 0; d < D; ++d) {  // named accumulators: GCC spills an array of them to the stack
+      const V8 qv = Load(queries_t + 8 * d);
+      a0 += qv * k0[d];
+      a1 += qv * k1[d];
+      a2 += qv * k2[d];
+      a3 += qv * k3[d];
+      a4 += qv * k4[d];
+      a5 += qv * k5[d];
+      a6 += qv * k6[d];
+      a7 += qv * k7[d];
+    }
+    const V8 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int k = 0; k <= last; ++k)
+      for (int r = 0; r < 8; ++r) scores[r * stride + j0 + k] = a[k][r];
+  }
+}
+
+// acc[0:8*NV] += sum_j weights[j] * values[j][0:8*NV], the accumulator held in registers across the keys.
+template <int NV>
+inline void AccumulateChunk(float* acc, const float* weights, const float* const* values, int count, int offset) {
+  V8 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = Load(acc + 8 * c);
+  for (int j = 0; j < count; ++j) {
+    const V8 w = V8{} + weights[j];
+    const float* v = values[j] + offset;
+    for (int c = 0; c < NV; ++c) a[c] += w * Load(v + 8 * c);
+  }
+  for (int c = 0; c < NV; ++c) Store(acc + 8 * c, a[c]);
+}
+
+inline void Accumulate(float* acc, const float* weights, const float* const* values, int count, int D) {
+  int d = 0;
+  for (; d + 64 <= D; d += 64) AccumulateChunk<8>(acc + d, weights, values, count, d);
+  switch ((D - d) / 8) {  // head dims that are not a multiple of 64 (80, 96...)
+    case 1: return AccumulateChunk<1>(acc + d, weights, values, count, d);
+    case 2: return AccumulateChunk<2>(acc + d, weights, values, count, d);
+    case 3: return AccumulateChunk<3>(acc + d, weights, values, count, d);
+    case 4: return AccumulateChunk<4>(acc + d, weights, values, count, d);
+    case 5: return AccumulateChunk<5>(acc + d, weights, values, count, d);
+    case 6: return AccumulateChunk<6>(acc + d, weights, values, count, d);
+    case 7: return AccumulateChunk<7>(acc + d, weights, values, count, d);
+  }
+}
+
+// Attention of one item's rows (all heads) over its sequence's pages; returns false on a bad block id.
+template <typename T>
+bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer, T* out, const Item& item,
+                std::vector<float>& scratch) {
+  const int G = p.group, D = p.head_dim, Hk = p.num_kv_heads, B = p.block_size;
+  const int n = item.rows * G;  // query vectors per KV head
+  const int q_start = p.query_start[item.seq];
+  const int q_len = p.query_start[item.seq + 1] - q_start;
+  const int first_pos = p.kv_lens[item.seq] - q_len + item.row0;
+  const int last_pos = first_pos + item.rows - 1;
+  const int64_t row_stride = static_cast<int64_t>(Hk) * D;  // between tokens of a page
+
+  const int n8 = n / 8 * 8;  // query vectors taken eight at a time (prefill tiles); the rest one by one
+  scratch.resize(static_cast<size_t>(Hk) * n * (3 * D + 2) + static_cast<size_t>(n) * B + 2 * B * D);
+  float* queries = scratch.data();                         // [Hk][n][D], scaled
+  float* acc = queries + static_cast<size_t>(Hk) * n * D;  // [Hk][n][D]
+  float* max = acc + static_cast<size_t>(Hk) * n * D;      // [Hk][n]
+  float* denom = max + static_cast<size_t>(Hk) * n;        // [Hk][n]
+  float* scores = denom + static_cast<size_t>(Hk) * n;     // [n][B]
+  float* key_buffer = scores + static_cast<size_t>(n) * B;  // [B][D]: bfloat16 rows converted
+  float* value_buffer = key_buffer + static_cast<size_t>(B) * D;
+  float* queries_t = value_buffer + static_cast<size_t>(B) * D;  // [Hk][n/8][D][8] (of the first n8)
+  std::vector<const float*> keys(B), values(B);
+
+  for (int r = 0; r < item.rows; ++r) {
+    const T* row = q + static_cast<int64_t>(q_start + item.row0 + r) * Hk * G * D;
+    for (int h = 0; h < Hk; ++h)
+      for (int g = 0; g < G; ++g) {
+        float* dst = queries + (static_cast<size_t>(h) * n + r * G + g) * D;
+        const T* src = row + (h * G + g) * D;
+        for (int d = 0; d < D; ++d) dst[d] = ToFloat(src[d]) * p.scale;
+      }
+  }
+  for (int h = 0; h < Hk; ++h)
+    for (int i = 0; i < n8; ++i)
+      for (int d = 0; d < D; ++d)
+        queries_t[(static_cast<size_t>(h) * n + i / 8 * 8) * D + 8 * d + i % 8] =
+            queries[(static_cast<size_t>(h) * n + i) * D + d];
+  std::fill(acc, acc + static_cast<size_t>(Hk) * n * D, 0.0f);
+  std::fill(max, max + static_cast<size_t>(Hk) * n, kNeg);
+  std::fill(denom, denom + static_cast<size_t>(Hk) * n, 0.0f);
+
+  const int first_key = p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
+  for (int b = first_key / B; b <= last_pos / B; ++b) {
+    const int block = p.block_tables[static_cast<int64_t>(item.seq) * p.table_width + b];
+    if (block < 0 || block >= p.num_blocks) return false;
+    const int key0 = b * B;
+    const int num_keys = std::min(B, last_pos + 1 - key0);
+    const T* k_block = k_layer + static_cast<int64_t>(block) * B * row_stride;
+    const T* v_block = v_layer + static_cast<int64_t>(block) * B * row_stride;
+    for (int h = 0; h < Hk; ++h) {
+      for (int j = 0; j < num_keys; ++j) {
+        keys[j] = Row(k_block + j * row_stride + h * D, key_buffer + j * D, D);
+        values[j] = Row(v_block + j * row_stride + h * D, value_buffer + j * D, D);
+      }
+      const float* qh = queries + static_cast<size_t>(h) * n * D;
+      float* acc_h = acc + static_cast<size_t>(h) * n * D;
+      for (int i = 0; i < n8; i += 8)
+        Dots8(queries_t + (static_cast<size_t>(h) * n + i) * D, keys.data(), num_keys, D, scores + i * B, B);
+      for (int i = n8; i < n; ++i) Dots(qh + static_cast<size_t>(i) * D, keys.data(), num_keys, D, scores + i * B);
+      for (int i = 0; i < n; ++i) {
+        const int pos = first_pos + i / G;
+        float* s = scores + static_cast<size_t>(i) * B;
+        if (p.soft_cap > 0.0f)  // a loop of its own: inside the next one, tanh would run (vectorised) always
+          for (int j = 0; j < num_keys; ++j) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
+        float block_max = kNeg;
+        for (int j = 0; j < num_keys; ++j) {
+          const int key = key0 + j;
+          const bool visible = key <= pos && (p.window <= 0 || key > pos - p.window);
+          s[j] = visible ? s[j] : kNeg;
+          block_max = std::max(block_max, s[j]);
+        }
+        if (block_max == kNeg) continue;  // nothing visible to this row in this block
+        float& m = max[static_cast<size_t>(h) * n + i];
+        float& l = denom[static_cast<size_t>(h) * n + i];
+        const float m_new = std::max(m, block_max);
+        const float correction = std::exp(m - m_new);
+        float sum = 0.0f;
+        for (int j = 0; j < num_keys; ++j) {
+          s[j] = std::exp(s[j] - m_new);
+          sum += s[j];
+        }
+        l = l * correction + sum;
+        m = m_new;
+        float* a = acc_h + static_cast<size_t>(i) * D;
+        if (correction != 1.0f)
+          for (int d = 0; d < D; ++d) a[d] *= correction;
+        Accumulate(a, s, values.data(), num_keys, D);
+      }
+    }
+  }
+
+  for (int r = 0; r < item.rows; ++r) {
+    T* row = out + static_cast<int64_t>(q_start + item.row0 + r) * Hk * G * D;
+    for (int h = 0; h < Hk; ++h)
+      for (int g = 0; g < G; ++g) {
+        const size_t i = static_cast<size_t>(h) * n + r * G + g;
+        const float inv = 1.0f / std::max(denom[i], 1e-30f);
+        const float* a = acc + i * D;
+        T* dst = row + (h * G + g) * D;
+        for (int d = 0; d < D; ++d) FromFloat(a[d] * inv, dst + d);
+      }
+  }
+  return true;
+}
+
+template <typename T>
+ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, const T* q, const T* k_layer, const T* v_layer, T* out,
+               int num_seqs, int64_t num_tokens) {
+  std::memset(out, 0, static_cast<size_t>(num_tokens) * p.num_kv_heads * p.group * p.head_dim * sizeof(T));
+  auto items = std::make_shared<std::vector<Item>>();
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = p.query_start[s + 1] - p.query_start[s];
+    if (q_len <= 0) continue;
+    if (p.query_start[s] < 0 || p.query_start[s + 1] > num_tokens || p.kv_lens[s] < q_len)
+      return ffi::Error::InvalidArgument("query_start/kv_lens out of range");
+    for (int r = 0; r < q_len; r += kRowTile) items->push_back({s, r, std::min(kRowTile, q_len - r)});
+  }
+  const int num_items = static_cast<int>(items->size());
+  struct Progress {
+    std::atomic<int> next{0}, done{0};
+    std::atomic<bool> bad_block{false};
+  };
+  auto progress = std::make_shared<Progress>();
+  // A helper that starts after all items are taken touches only `progress`, so the call may return first.
+  auto work = [=, &p]() {
+    std::vector<float> scratch;
+    for (int i; (i = progress->next.fetch_add(1)) < num_items;) {
+      if (!AttendItem(p, q, k_layer, v_layer, out, (*items)[i], scratch)) progress->bad_block = true;
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));  // Schedule takes its own copy
+  work();
+  while (progress->done.load(std::memory_order_acquire) < num_items) std::this_thread::yield();
+  if (progress->bad_block) return ffi::Error::InvalidArgument("block table entry out of range");
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
+                          ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                          int32_t sliding_window, float soft_cap) {
+  auto qd = q.dimensions();    // [T, Hq, D]
+  auto kd = k_cache.dimensions();  // [L, N, B, Hk, D]
+  if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("expected q [T,Hq,D], cache [L,N,B,Hk,D]");
+  const auto dtype = q.element_type();
+  if (k_cache.element_type() != dtype || v_cache.element_type() != dtype || out->element_type() != dtype)
+    return ffi::Error::InvalidArgument("q, the caches and the output must share one dtype");
+  const int num_layers = static_cast<int>(kd[0]);
+  const int layer_index = layer.typed_data()[0];
+  if (layer_index < 0 || layer_index >= num_layers) return ffi::Error::InvalidArgument("layer out of range");
+  Problem p;
+  p.num_kv_heads = static_cast<int>(kd[3]);
+  p.group = static_cast<int>(qd[1]) / p.num_kv_heads;
+  p.head_dim = static_cast<int>(qd[2]);
+  p.block_size = static_cast<int>(kd[2]);
+  p.num_blocks = static_cast<int>(kd[1]);
+  p.table_width = static_cast<int>(block_tables.dimensions()[1]);
+  p.scale = sm_scale;
+  p.soft_cap = soft_cap;
+  p.window = sliding_window;
+  p.kv_lens = kv_lens.typed_data();
+  p.block_tables = block_tables.typed_data();
+  p.query_start = query_start.typed_data();
+  const int num_seq_slots = static_cast<int>(kv_lens.dimensions()[0]);
+  const int live = std::clamp(num_seqs.typed_data()[0], 0, num_seq_slots);
+  const int64_t layer_offset = static_cast<int64_t>(layer_index) * kd[1] * kd[2] * kd[3] * kd[4];
+  if (dtype == ffi::DataType::F32) {
+    auto* k = static_cast<const float*>(k_cache.untyped_data()) + layer_offset;
+    auto* v = static_cast<const float*>(v_cache.untyped_data()) + layer_offset;
+    return Run(pool, p, static_cast<const float*>(q.untyped_data()), k, v, static_cast<float*>(out->untyped_data()),
+               live, qd[0]);
+  }
+  if (dtype == ffi::DataType::BF16) {
+    auto* k = static_cast<const uint16_t*>(k_cache.untyped_data()) + layer_offset;
+    auto* v = static_cast<const uint16_t*>(v_cache.untyped_data()) + layer_offset;
+    return Run(pool, p, static_cast<const uint16_t*>(q.untyped_data()), k, v,
+               static_cast<uint16_t*>(out->untyped_data()), live, qd[0]);
+  }
+  return ffi::Error::InvalidArgument("only float32 and bfloat16 are supported");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()           // q
+                                  .Arg<ffi::AnyBuffer>()           // k_cache
+                                  .Arg<ffi::AnyBuffer>()           // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // query_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // num_seqs
+                                  .Ret<ffi::AnyBuffer>()           // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
