@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import subprocess
+import sys
 import zlib
 
 import jax
@@ -75,6 +78,7 @@ CONFIGS = [
     CPU_F32,
     Config("cpu", "float32", 32, 2, 4, 24, DECODE, sliding_window=40),  # D=24: a partial 64-float chunk
     Config("cpu", "float32", 16, 1, 8, 32, PREFILL, soft_cap=2.0),
+    Config("cpu", "float32", 8, 2, 2, 16, DECODE),  # pages shorter than the kernel's eight-key groups
     CPU_BF16,
     Config("cpu", "bfloat16", 32, 4, 1, 64, DECODE, sliding_window=40, soft_cap=2.0),
     GPU_F32,
@@ -347,3 +351,21 @@ def test_auto_takes_the_cpu_kernel_on_cpu_and_pallas_elsewhere():
     assert resolve_attention_impl("auto", head_dim=64, dtype=jnp.bfloat16, backend="gpu") == "pallas"
     with pytest.raises(ValueError, match="CPU backend only"):
         resolve_attention_impl("cpu", head_dim=64, dtype=jnp.float32, backend="gpu")
+
+
+@pytest.mark.parametrize("compiler", ["/bin/false", "no-such-compiler"], ids=["failing", "missing"])
+def test_without_a_working_compiler_auto_falls_back_to_the_reference_with_a_warning(compiler, tmp_path):
+    """A fresh process (the kernel is built and registered once per process), an empty kernel cache."""
+    program = (
+        "import jax.numpy as jnp\n"
+        "from jpaged.pallas import resolve_attention_impl\n"
+        "print(resolve_attention_impl('auto', head_dim=64, dtype=jnp.float32, backend='cpu'))\n"
+    )
+    env = {**os.environ, "CXX": compiler, "JPAGED_KERNEL_CACHE": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "reference"
+    assert "using the XLA reference" in result.stderr
+    assert not list(tmp_path.glob("*.so"))

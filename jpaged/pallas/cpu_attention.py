@@ -61,6 +61,7 @@ def _build(compiler: str) -> Path:
     root = Path(os.environ.get("JPAGED_KERNEL_CACHE", Path.home() / ".cache" / "jpaged" / "kernels"))
     library = root / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
     if not library.exists():
+        logger.info("compiling the CPU attention kernel into %s (once per machine)", root)
         root.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
         command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
