@@ -123,8 +123,8 @@ class AsyncLLMEngine:
                         if output.finished:
                             self._streams.pop(output.request_id, None)
                 for stream, output in deliveries:
-                    if stream is not None:
-                        stream[0].call_soon_threadsafe(stream[1].put_nowait, output)
+                    if stream is not None and not _deliver(stream, output) and not output.finished:
+                        self.abort(output.request_id)  # its reader went with its event loop
                 if not busy:
                     if self._stopping:
                         return
@@ -133,11 +133,22 @@ class AsyncLLMEngine:
         except BaseException as err:  # surfaced through /health and to every waiting stream
             logger.exception("engine loop died")
             self.error = err
-            for loop, queue in list(self._streams.values()):
-                loop.call_soon_threadsafe(queue.put_nowait, err)
+            for stream in list(self._streams.values()):
+                _deliver(stream, err)
 
     def _drain_aborts(self) -> list[str]:
         ids = []
         while self._aborts:
             ids.append(self._aborts.popleft())
         return ids
+
+
+def _deliver(stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> bool:
+    """Hand `item` to a request's stream; False when the stream's event loop has closed (a server shutting down
+    while the request still runs), which leaves nobody to read it."""
+    loop, queue = stream
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:
+        return False
+    return True

@@ -79,6 +79,19 @@ def test_a_consumer_that_stops_early_aborts_its_request(engine):
     assert asyncio.run(main())
 
 
+def test_a_request_whose_event_loop_closed_is_aborted_and_the_engine_loop_lives_on(engine):
+    """What a server's shutdown does to a stream it never finished reading: the loop closes under it."""
+    loop = asyncio.new_event_loop()
+    stream = engine.generate([4, 4, 4], LONG, "orphan")
+    loop.run_until_complete(anext(stream))
+    loop.close()
+    deadline = time.monotonic() + 30
+    while engine.metrics()["kv_cache_usage_perc"] > 0.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.metrics()["kv_cache_usage_perc"] == 0.0
+    assert engine.is_alive and engine.num_unfinished == 0
+
+
 def test_an_idle_loop_gives_every_warm_up_shape_its_first_run(tiny_model_dir):
     engine = LLMEngine(small_config(tiny_model_dir))
     assert engine.runner.num_unrun_shapes > 0  # the prefill-sized shapes wait for idle time
