@@ -1,4 +1,5 @@
-"""Benchmark ragged paged attention: the Pallas kernel for this backend against the XLA reference.
+"""Benchmark ragged paged attention: the kernel for this backend (Pallas on GPU/TPU, C++ on CPU) against the XLA
+reference.
 
 Three steps at realistic sizes (32 query heads, 8 KV heads, head dim 128, block size 16): decode-only (256
 sequences x 2k context), prefill-only (8 chunks of 1k new tokens after 1k of context) and mixed (248 decodes plus
@@ -7,7 +8,7 @@ and out) per second, that rate as a share of the device's measured copy bandwidt
 the reference.
 
   python scripts/bench_kernels.py                 # GPU or TPU: kernel and reference, full sizes
-  python scripts/bench_kernels.py --small         # CPU: 1/8 of the sequences and context, reference only
+  python scripts/bench_kernels.py --small         # CPU: 1/8 of the sequences and context, reference and C++ kernel
   python scripts/bench_kernels.py --small --interpret   # CPU: also the GPU kernel in interpret mode (slow; it
                                                   # checks the plumbing, its time says nothing about a GPU)
 """
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.pallas import cpu_attention
 from jpaged.pallas.reference import ragged_paged_attention_reference
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -134,6 +136,8 @@ def main() -> None:
     dtype = jnp.dtype(args.dtype)
     scale = 1.0 / math.sqrt(HEAD_DIM)
     impls = {"reference": jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))}
+    if backend == "cpu" and cpu_attention.available():
+        impls["cpu"] = jax.jit(functools.partial(cpu_attention.ragged_paged_attention, sm_scale=scale))
     if backend != "cpu" or args.interpret:
         impls["pallas"] = jax.jit(functools.partial(kernel_for_backend(backend), sm_scale=scale))
     copy_mib = min(args.copy_mib, 256) if args.small else args.copy_mib
