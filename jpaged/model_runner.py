@@ -24,7 +24,7 @@ from jpaged.config import EngineConfig
 from jpaged.executable_cache import step_cache
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import KVCache, StepBatch, device_params, forward, init_kv_cache
-from jpaged.pallas import get_attention_fn, resolve_attention_impl
+from jpaged.pallas import cpu_attention, get_attention_fn, resolve_attention_impl
 from jpaged.sampler import (
     SamplerOutput,
     SamplingRow,
@@ -97,11 +97,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.dtype = jnp.dtype(params["embed"].dtype)
         self.params = jax.device_put(_step_params(params))
-        self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.dtype)
         self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)
         self.attention_impl = resolve_attention_impl(
             config.attention_impl, head_dim=model_config.head_dim, dtype=self.dtype
         )
+        allocate = cpu_attention.uninitialized if self.attention_impl == "cpu" else jnp.zeros
+        self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.dtype, allocate)
         attention = get_attention_fn(
             self.attention_impl,
             num_kv_heads=model_config.num_kv_heads,

@@ -26,7 +26,7 @@ def small_engine(tiny_model_dir, **overrides) -> LLMEngine:
 
 
 def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_dir):
-    warm = small_engine(tiny_model_dir)
+    warm = small_engine(tiny_model_dir, attention_impl="reference")  # a zero-filled pool: every write shows
     shapes = warm.runner.shapes.all_shapes()
     prefill_sized = [t for t, _ in shapes if t > warm.config.max_num_seqs]
     assert prefill_sized and warm.runner.num_unrun_shapes == len(prefill_sized)  # decode-sized ones ran
@@ -40,7 +40,7 @@ def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_
         f"r{i}": (list(range(100 + i, 140 + 3 * i)), SamplingParams(max_tokens=12, temperature=0.0))
         for i in range(3)
     }
-    eager = small_engine(tiny_model_dir, enforce_eager=True)
+    eager = small_engine(tiny_model_dir, attention_impl="reference", enforce_eager=True)
     warm_out, eager_out = run_requests(warm, requests), run_requests(eager, requests)
     for request_id in requests:
         assert warm_out[request_id].outputs[0].token_ids == eager_out[request_id].outputs[0].token_ids

@@ -61,9 +61,13 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
-def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
+def init_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype, allocate: Callable = jnp.zeros
+) -> KVCache:
+    """The pool, zero-filled unless `allocate` says otherwise (attention that reads whole pages needs finite
+    values in the slots it masks)."""
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return KVCache(allocate(shape, dtype), allocate(shape, dtype))
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

@@ -340,3 +340,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap"));
+
+// An array XLA allocates and nothing writes: the kernel never reads a KV slot no sequence owns, so its pool needs no
+// zero-fill, and the OS maps pages in as blocks are first written.
+ffi::Error Uninitialized(ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedUninitialized, Uninitialized, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
