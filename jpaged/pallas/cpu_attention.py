@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jpaged.pallas.ragged_paged_attention import check_inputs
+from jpaged.pallas.ragged_paged_attention import check_inputs, over_pages
 
 logger = logging.getLogger(__name__)
 
@@ -151,33 +151,4 @@ def ragged_paged_attention_stacked(
     )
 
 
-def ragged_paged_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]`; returns [T, Hq, D]."""
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [N, B, Hk, D], got shape {k_pages.shape}")
-    return ragged_paged_attention_stacked(
-        q,
-        k_pages[None],
-        v_pages[None],
-        jnp.int32(0),
-        kv_lens,
-        block_tables,
-        query_start,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
+ragged_paged_attention = over_pages(ragged_paged_attention_stacked)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -272,34 +273,17 @@ def ragged_paged_attention_stacked(
     return out[:num_tokens]
 
 
-def ragged_paged_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]` (contract in jpaged.pallas); returns [T, Hq, D]."""
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [N, B, Hk, D], got shape {k_pages.shape}")
-    return ragged_paged_attention_stacked(
-        q,
-        k_pages[None],
-        v_pages[None],
-        jnp.zeros((1,), jnp.int32),
-        kv_lens,
-        block_tables,
-        query_start,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        interpret=interpret,
-    )
+def over_pages(stacked: Callable) -> Callable:
+    """The pages form of a stacked-cache kernel, `fn(q, k_pages, v_pages, kv_lens, block_tables, query_start,
+    num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None, interpret=False)`: the cache as one layer."""
+
+    def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *metadata, **options):
+        """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]` (contract in jpaged.pallas); returns [T, Hq, D]."""
+        if k_pages.ndim != 4:
+            raise ValueError(f"k_pages must be [N, B, Hk, D], got shape {k_pages.shape}")
+        return stacked(q, k_pages[None], v_pages[None], jnp.zeros((1,), jnp.int32), *metadata, **options)
+
+    return ragged_paged_attention
+
+
+ragged_paged_attention = over_pages(ragged_paged_attention_stacked)

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jpaged.pallas.ragged_paged_attention import check_inputs, find_tile_sequence
+from jpaged.pallas.ragged_paged_attention import check_inputs, find_tile_sequence, over_pages
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
 _LANES = 128
@@ -346,34 +346,4 @@ def ragged_paged_attention_stacked(
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
 
 
-def ragged_paged_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]` (contract in jpaged.pallas); returns [T, Hq, D]."""
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [N, B, Hk, D], got shape {k_pages.shape}")
-    return ragged_paged_attention_stacked(
-        q,
-        k_pages[None],
-        v_pages[None],
-        jnp.zeros((1,), jnp.int32),
-        kv_lens,
-        block_tables,
-        query_start,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        interpret=interpret,
-    )
+ragged_paged_attention = over_pages(ragged_paged_attention_stacked)
