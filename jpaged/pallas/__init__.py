@@ -36,24 +36,22 @@ def resolve_attention_impl(impl: str, *, head_dim: int, dtype, backend: str | No
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     backend = backend or jax.default_backend()
-    if impl == "cpu" and backend != "cpu":
-        raise ValueError(f"attention_impl='cpu' runs on the CPU backend only, not {backend}")
-    if impl != "auto":
-        if impl == "cpu":
-            cpu_attention.check_layout(head_dim, dtype)
-            if not cpu_attention.available():
-                raise ValueError(
-                    "attention_impl='cpu': the kernel could not be built (see the warning above)"
-                )
+    if impl not in ("auto", "cpu"):
         return impl
     if backend != "cpu":
+        if impl == "cpu":
+            raise ValueError(f"attention_impl='cpu' runs on the CPU backend only, not {backend}")
         return "pallas"
     try:
         cpu_attention.check_layout(head_dim, dtype)
+        if not cpu_attention.available():
+            raise ValueError("the CPU attention kernel could not be built (see the warning above)")
     except ValueError as err:
-        logger.warning("CPU attention kernel: %s; using the XLA reference", err)
+        if impl == "cpu":
+            raise
+        logger.warning("%s; attention_impl='auto' takes the XLA reference", err)
         return "reference"
-    return "cpu" if cpu_attention.available() else "reference"
+    return "cpu"
 
 
 def _pallas_kernel(backend: str) -> Callable:

@@ -6,7 +6,7 @@ dots: ~1.9x the time of just reading the KV data (bench_decode_step). The kernel
 
 It is compiled on first use with the machine's C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib
 ships, for this CPU (`-march=native`), into ~/.cache/jpaged/kernels (`JPAGED_KERNEL_CACHE` to move it). Where it
-cannot be built, `available()` is False and `auto` falls back to the XLA reference with one warning.
+cannot be built, `available()` is False (a warning says why) and `auto` falls back to the XLA reference.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def available() -> bool:
     """Whether the kernel is built and registered with XLA (compiling it the first time on this machine)."""
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
-        logger.warning("no C++ compiler (%s) for the CPU attention kernel; using the XLA reference", compiler)
+        logger.warning("no C++ compiler (%s) to build the CPU attention kernel", compiler)
         return False
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
@@ -88,7 +88,7 @@ def available() -> bool:
         ):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as err:
-        logger.warning("could not build the CPU attention kernel; using the XLA reference: %s", err)
+        logger.warning("could not build the CPU attention kernel: %s", err)
         return False
     return True
 
