@@ -3,8 +3,9 @@
 Every implementation answers `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start,
 num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None, interpret=False)` (see reference.py for shapes).
 Implementations: `reference` (XLA), `pallas` (GPU/TPU kernels; interpret mode on CPU, for tests) and `cpu` (a C++
-kernel called through XLA's FFI, built on first use; see cpu_attention.py). The model calls the *stacked* form, `fn(q, k_cache, v_cache, layer, ...)` over a cache `[L, N, B, Hk, D]`, which
-`get_attention_fn` builds for the chosen implementation.
+kernel called through XLA's FFI, built on first use; see cpu_attention.py). The model calls the *stacked* form,
+`fn(q, k_cache, v_cache, layer, ...)` over a cache `[L, N, B, Hk, D]`, which `get_attention_fn` builds for the
+chosen implementation.
 """
 
 from __future__ import annotations
