@@ -29,7 +29,7 @@ _PACKAGE = Path(__file__).resolve().parent
 def environment_fingerprint() -> str:
     """What every compiled step depends on beyond its own inputs."""
     digest = hashlib.sha256()
-    for path in sorted([*_PACKAGE.rglob("*.py"), *_PACKAGE.rglob("*.cc")]):
+    for path in sorted(path for pattern in ("*.py", "*.cc", "*.h") for path in _PACKAGE.rglob(pattern)):
         digest.update(str(path.relative_to(_PACKAGE)).encode())
         digest.update(path.read_bytes())
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]

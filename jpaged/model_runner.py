@@ -24,7 +24,7 @@ from jpaged.config import EngineConfig
 from jpaged.executable_cache import step_cache
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import KVCache, StepBatch, device_params, forward, init_kv_cache
-from jpaged.pallas import cpu_attention, get_attention_fn, resolve_attention_impl
+from jpaged.pallas import cpu_attention, cpu_matmul, get_attention_fn, resolve_attention_impl
 from jpaged.sampler import (
     SamplerOutput,
     SamplingRow,
@@ -78,8 +78,10 @@ def _copy_blocks(kv_cache: KVCache, copies: jax.Array) -> KVCache:
 
 
 def _step_params(params: dict) -> dict:
-    """The params layout the step reads: on CPU each layer's matrices as separate arrays (llama.device_params)."""
-    return device_params(params) if jax.default_backend() == "cpu" else params
+    """The params layout the step reads: on CPU, where the matmul kernel builds and takes the dtype, its panels
+    (llama.device_params); elsewhere the stacks, sliced per layer."""
+    on_cpu = jax.default_backend() == "cpu"
+    return device_params(params) if on_cpu and cpu_matmul.supports(params["final_norm"].dtype) else params
 
 
 class ModelRunner:
@@ -361,7 +363,9 @@ def activation_peak_bytes(
     )
     copies = np.zeros((seqs, 2), np.int32)
     compiled = (
-        jax.jit(step).lower(abstract(_step_params(params)), cache, batch, sampling, copies, None).compile()
+        jax.jit(step)
+        .lower(jax.eval_shape(_step_params, abstract(params)), cache, batch, sampling, copies, None)
+        .compile()
     )
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.pallas import cpu_attention
+from jpaged.pallas import cpu_attention, cpu_library
 from jpaged.pallas.reference import ragged_paged_attention_reference
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -136,7 +136,7 @@ def main() -> None:
     dtype = jnp.dtype(args.dtype)
     scale = 1.0 / math.sqrt(HEAD_DIM)
     impls = {"reference": jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))}
-    if backend == "cpu" and cpu_attention.available():
+    if backend == "cpu" and cpu_library.available():
         impls["cpu"] = jax.jit(functools.partial(cpu_attention.ragged_paged_attention, sm_scale=scale))
     if backend != "cpu" or args.interpret:
         impls["pallas"] = jax.jit(functools.partial(kernel_for_backend(backend), sm_scale=scale))

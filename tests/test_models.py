@@ -21,7 +21,7 @@ class PagedRun:
     """Drives the forward pass by hand: sequences get consecutive blocks, steps feed chosen token ranges."""
 
     def __init__(self, loaded, num_seqs: int, max_len: int = 128, layout: str = "stacked"):
-        params = device_params(loaded.params) if layout == "split" else loaded.params
+        params = device_params(loaded.params) if layout == "panels" else loaded.params
         self.config, self.params = loaded.config, jax.device_put(params)
         self.width = max_len // BLOCK
         self.cache = init_kv_cache(self.config, 1 + num_seqs * self.width, BLOCK, jnp.float32)
@@ -53,7 +53,9 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
 
 
-@pytest.mark.parametrize("layout", ["stacked", "split"])  # accelerators' layout, CPU's (llama.device_params)
+@pytest.mark.parametrize(
+    "layout", ["stacked", "panels"]
+)  # accelerators' layout, the CPU kernel's (device_params)
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_logits_match_transformers_for_ragged_prefill_and_paged_decode(family, layout, tiny_model_dir):
     model_dir = tiny_model_dir(family)

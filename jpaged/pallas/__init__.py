@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import jax
 
-from jpaged.pallas import cpu_attention
+from jpaged.pallas import cpu_attention, cpu_library
 from jpaged.pallas.reference import paged_attention_stacked, ragged_paged_attention_reference
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
@@ -45,7 +45,7 @@ def resolve_attention_impl(impl: str, *, head_dim: int, dtype, backend: str | No
         return "pallas"
     try:
         cpu_attention.check_layout(head_dim, dtype)
-        if not cpu_attention.available():
+        if not cpu_library.available():
             raise ValueError("the CPU attention kernel could not be built (see the warning above)")
     except ValueError as err:
         if impl == "cpu":

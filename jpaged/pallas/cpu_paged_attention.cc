@@ -6,38 +6,17 @@
 // with an online softmax per block of keys. Work items are (sequence, tile of query rows), shared among XLA's
 // CPU threads; each item's arithmetic depends only on its own sequence, so a row's output does not depend on what
 // else is in the batch.
-#include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "cpu_kernel.h"
 
 namespace {
 
+using namespace jpaged;
+
 constexpr float kNeg = -1e30f;  // finite "minus infinity", as in reference.py
 constexpr int kRowTile = 16;    // query rows per work item: a tile's keys stay in cache across its rows
-
-inline float ToFloat(float x) { return x; }
-inline float ToFloat(uint16_t x) {  // bfloat16 bits
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void FromFloat(float x, float* out) { *out = x; }
-inline void FromFloat(float x, uint16_t* out) {  // round to nearest even
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  *out = static_cast<uint16_t>(bits >> 16);
-}
 
 struct Problem {
   int num_kv_heads, group, head_dim, block_size, table_width, num_blocks;
@@ -51,13 +30,6 @@ struct Problem {
 struct Item {
   int seq, row0, rows;
 };
-
-// Eight floats, loaded and stored unaligned; GCC and Clang lower it to the machine's SIMD (AVX, NEON...).
-typedef float V8 __attribute__((vector_size(32), aligned(4), may_alias));
-
-inline V8 Load(const float* x) { return *reinterpret_cast<const V8*>(x); }
-inline void Store(float* x, V8 v) { *reinterpret_cast<V8*>(x) = v; }
-inline float Sum(V8 v) { return (v[0] + v[4]) + (v[1] + v[5]) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 // A page row of one head as floats: in place for float32, converted into `buffer` for bfloat16.
 inline const float* Row(const float* src, float*, int) { return src; }
@@ -248,33 +220,19 @@ template <typename T>
 ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, const T* q, const T* k_layer, const T* v_layer, T* out,
                int num_seqs, int64_t num_tokens) {
   std::memset(out, 0, static_cast<size_t>(num_tokens) * p.num_kv_heads * p.group * p.head_dim * sizeof(T));
-  auto items = std::make_shared<std::vector<Item>>();
+  std::vector<Item> items;
   for (int s = 0; s < num_seqs; ++s) {
     const int q_len = p.query_start[s + 1] - p.query_start[s];
     if (q_len <= 0) continue;
     if (p.query_start[s] < 0 || p.query_start[s + 1] > num_tokens || p.kv_lens[s] < q_len)
       return ffi::Error::InvalidArgument("query_start/kv_lens out of range");
-    for (int r = 0; r < q_len; r += kRowTile) items->push_back({s, r, std::min(kRowTile, q_len - r)});
+    for (int r = 0; r < q_len; r += kRowTile) items.push_back({s, r, std::min(kRowTile, q_len - r)});
   }
-  const int num_items = static_cast<int>(items->size());
-  struct Progress {
-    std::atomic<int> next{0}, done{0};
-    std::atomic<bool> bad_block{false};
-  };
-  auto progress = std::make_shared<Progress>();
-  // A helper that starts after all items are taken touches only `progress`, so the call may return first.
-  auto work = [=, &p]() {
-    std::vector<float> scratch;
-    for (int i; (i = progress->next.fetch_add(1)) < num_items;) {
-      if (!AttendItem(p, q, k_layer, v_layer, out, (*items)[i], scratch)) progress->bad_block = true;
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_items) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));  // Schedule takes its own copy
-  work();
-  while (progress->done.load(std::memory_order_acquire) < num_items) std::this_thread::yield();
-  if (progress->bad_block) return ffi::Error::InvalidArgument("block table entry out of range");
+  const bool ok = ParallelFor(pool, static_cast<int>(items.size()), [&](int i) {
+    thread_local std::vector<float> scratch;
+    return AttendItem(p, q, k_layer, v_layer, out, items[i], scratch);
+  });
+  if (!ok) return ffi::Error::InvalidArgument("block table entry out of range");
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,71 @@
+// What the CPU kernels (cpu_paged_attention.cc, cpu_matmul.cc) share: eight-float vectors, bfloat16 conversion and
+// a parallel loop over XLA's intra-op thread pool.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jpaged {
+
+namespace ffi = xla::ffi;
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t x) {  // bfloat16 bits
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void FromFloat(float x, float* out) { *out = x; }
+inline void FromFloat(float x, uint16_t* out) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+
+// Eight floats, loaded and stored unaligned; GCC and Clang lower it to the machine's SIMD (AVX, NEON...).
+typedef float V8 __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint16_t U16x8 __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+
+inline V8 Load(const float* x) { return *reinterpret_cast<const V8*>(x); }
+inline V8 Load(const uint16_t* x) {  // eight bfloat16 widened to float32
+  const U32x8 bits = __builtin_convertvector(*reinterpret_cast<const U16x8*>(x), U32x8) << 16;
+  V8 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline void Store(float* x, V8 v) { *reinterpret_cast<V8*>(x) = v; }
+inline float Sum(V8 v) { return (v[0] + v[4]) + (v[1] + v[5]) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// Runs work(i) for i in [0, count) on the calling thread and the pool's. Items are claimed one at a time; the caller
+// waits only for items already claimed, so a helper that starts after all are taken finds nothing (and touches only
+// the shared counters, which it co-owns), and no deadlock is possible. Returns false if any work(i) did.
+template <typename Work>
+bool ParallelFor(ffi::ThreadPool& pool, int count, Work work) {
+  struct Progress {
+    std::atomic<int> next{0}, done{0};
+    std::atomic<bool> failed{false};
+  };
+  auto progress = std::make_shared<Progress>();
+  auto run = [progress, count, work]() {
+    for (int i; (i = progress->next.fetch_add(1)) < count;) {
+      if (!work(i)) progress->failed = true;
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(run)(run));  // Schedule takes its own copy
+  run();
+  while (progress->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+  return !progress->failed;
+}
+
+}  // namespace jpaged

@@ -1,0 +1,94 @@
+"""The C++ CPU kernels (cpu_paged_attention.cc, cpu_matmul.cc) as one shared library, built on first use and
+registered with XLA as FFI targets.
+
+It is compiled with the machine's C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib ships, for this
+CPU (`-march=native`), into ~/.cache/jpaged/kernels (`JPAGED_KERNEL_CACHE` to move it). Where it cannot be built,
+`available()` is False (a warning says why) and callers fall back to XLA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import jaxlib
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "cpu_paged_attention.cc", _HERE / "cpu_matmul.cc")
+HEADERS = (_HERE / "cpu_kernel.h",)
+# FFI target name -> exported handler symbol
+TARGETS = {
+    "jpaged_paged_attention": "JpagedPagedAttention",
+    "jpaged_uninitialized": "JpagedUninitialized",
+    "jpaged_matmul": "JpagedMatmul",
+}
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17")
+
+
+def _cpu_signature() -> str:
+    """What `-march=native` depends on: a cached build is reused only on the same kind of CPU."""
+    try:
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for these sources, compiler and CPU, compiled once and kept."""
+    key = hashlib.sha256()
+    for part in (
+        *(path.read_bytes() for path in SOURCES + HEADERS),
+        compiler.encode(),
+        " ".join(_FLAGS).encode(),
+        jaxlib.__version__.encode(),
+        _cpu_signature().encode(),
+    ):
+        key.update(part)
+    root = Path(os.environ.get("JPAGED_KERNEL_CACHE", Path.home() / ".cache" / "jpaged" / "kernels"))
+    library = root / f"jpaged-cpu-kernels-{key.hexdigest()[:16]}.so"
+    if not library.exists():
+        logger.info("compiling the CPU kernels into %s (once per machine)", root)
+        root.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        partial.replace(library)  # atomic: a concurrent process sees the whole library or none
+    return library
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are built and registered with XLA (compiling them the first time on this machine)."""
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        logger.warning("no C++ compiler (%s) to build the CPU kernels", compiler)
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as err:
+        logger.warning("could not build the CPU kernels: %s", err)
+        return False
+    return True
+
+
+def require() -> None:
+    """Raises RuntimeError where the kernels cannot be built."""
+    if not available():
+        raise RuntimeError("the CPU kernels could not be built (see the warning logged)")

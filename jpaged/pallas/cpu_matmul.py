@@ -1,0 +1,67 @@
+"""The model's matrix products on the CPU through a C++ kernel (cpu_matmul.cc), called as an XLA FFI custom call.
+
+A weight matrix w [K, N] ([in, out]) is stored as panels of 16 columns, `pack(w)` [P, K, 16] (P = ceil(N / 16),
+the last panel zero-padded), each panel contiguous, so a step streams it from memory once while a 6 x 16 block of
+results sits in registers. A layer's stack [L, K, N] packs to [L, P, K, 16] and the kernel reads layer `layer` in
+place. Only the first `rows` rows of x are computed (the rest of the output is zero): a decode step of 6 sequences
+padded to 16 tokens does 6 rows of work.
+
+Measured on a 2-core AVX2 CPU (30 layers of SmolLM2-135M's four matrices, float32, 2026-11-30; /tmp scripts):
+8 rows 32 ms vs XLA's dot 86 ms, 16 rows 46 vs 75, 64 rows 117 vs 157, 512 rows 684 vs 841. A row's result does
+not depend on the other rows (same summation order for any number of rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jpaged.pallas import cpu_library
+
+PANEL = 16
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_TARGET = "jpaged_matmul"
+
+
+def supports(dtype) -> bool:
+    """Whether the kernel takes weights of `dtype` here (building it the first time)."""
+    return jnp.dtype(dtype) in SUPPORTED_DTYPES and cpu_library.available()
+
+
+@jax.jit
+def pack(w: jax.Array) -> jax.Array:
+    """w [..., K, N] -> panels [..., ceil(N / 16), K, 16]."""
+    k, n = w.shape[-2:]
+    w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, -n % PANEL)])
+    return jnp.swapaxes(w.reshape(*w.shape[:-1], -1, PANEL), -2, -3)
+
+
+def columns(panels: jax.Array, ids: jax.Array) -> jax.Array:
+    """w[:, ids].T [len(ids), K] read from w's panels [P, K, 16] (a tied embedding's rows from the LM head's)."""
+    return panels[ids // PANEL, :, ids % PANEL]
+
+
+def matmul(
+    x: jax.Array,
+    panels: jax.Array,
+    n: int,
+    *,
+    layer: jax.Array | int = 0,
+    rows: jax.Array | int | None = None,
+    out_dtype=None,
+) -> jax.Array:
+    """x [M, K] @ w [K, n] from w's panels ([P, K, 16], or [L, P, K, 16] with `layer` picking one), summed in
+    float32 and returned as `out_dtype` (x's, or float32); rows past `rows` (default M) come back zero."""
+    cpu_library.require()
+    if panels.ndim == 3:
+        panels = panels[None]
+    if x.ndim != 2 or panels.ndim != 4 or panels.shape[2] != x.shape[1] or panels.shape[1] != -(-n // PANEL):
+        raise ValueError(f"x {x.shape} and panels {panels.shape} do not make an [M, {n}] product")
+    if x.dtype != panels.dtype or jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"x and panels must both be float32 or bfloat16, got {x.dtype} and {panels.dtype}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be x's dtype or float32, got {out_dtype}")
+    rows = x.shape[0] if rows is None else rows
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
+    return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(rows, jnp.int32).reshape(1))

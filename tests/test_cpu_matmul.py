@@ -1,0 +1,78 @@
+"""The C++ CPU matmul kernel (cpu_matmul) against a float64 numpy oracle on fresh random shapes: panels that do not
+fill their 16 columns, any K, live rows fewer than the padded batch, one layer picked from a stack."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpaged.pallas import cpu_matmul
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
+SHAPES = [(1, 8, 1), (7, 40, 24), (16, 576, 960), (13, 1536, 576), (64, 100, 33), (512, 64, 50)]  # (M, K, N)
+
+
+@jax.jit(static_argnames=("n", "out_dtype"))
+def _matmul(x, panels, layer, rows, *, n, out_dtype=None):
+    return cpu_matmul.matmul(x, panels, n, layer=layer, rows=rows, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("out_float32", [False, True], ids=["out-like-x", "out-f32"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES, ids=lambda v: str(v))
+def test_live_rows_match_float64_numpy_and_the_rest_are_zero(m, k, n, dtype, out_float32):
+    rng = np.random.default_rng([m, k, n])
+    w = jnp.asarray(rng.standard_normal((3, k, n)), dtype)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    layer, rows = int(rng.integers(0, 3)), int(rng.integers(1, m + 1))
+    out_dtype = jnp.float32 if out_float32 else None
+    got = _matmul(x, cpu_matmul.pack(w), layer, rows, n=n, out_dtype=out_dtype)
+    assert got.shape == (m, n) and got.dtype == (jnp.float32 if out_float32 else x.dtype)
+    expected = np.asarray(x, np.float64)[:rows] @ np.asarray(w, np.float64)[layer]
+    got = np.asarray(got, np.float64)
+    assert np.abs(got[:rows] - expected).max() <= TOLERANCE[dtype] * np.abs(expected).max()
+    assert not got[rows:].any()
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """Same bits whatever the batch around a row: bucket size, live row count, neighbours."""
+    rng = np.random.default_rng(7)
+    panels = cpu_matmul.pack(jnp.asarray(rng.standard_normal((1, 300, 70)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((64, 300)), jnp.float32)
+    full = np.asarray(_matmul(x, panels, 0, 64, n=70))
+    for m, rows in [(64, 11), (16, 16), (8, 5), (1, 1)]:
+        shuffled = x[:m].at[rows:].set(jnp.asarray(rng.standard_normal((m - rows, 300)), jnp.float32))
+        np.testing.assert_array_equal(
+            np.asarray(_matmul(shuffled, panels, 0, rows, n=70))[:rows], full[:rows]
+        )
+
+
+def test_packing_keeps_every_column_and_pads_with_zeros():
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, 37)), jnp.float32)
+    panels = cpu_matmul.pack(w)
+    assert panels.shape == (2, 3, 5, 16)
+    ids = jnp.asarray([0, 15, 16, 36, 7], jnp.int32)
+    np.testing.assert_array_equal(cpu_matmul.columns(panels[1], ids), w[1][:, ids].T)
+    assert not np.asarray(panels)[:, 2, :, 5:].any()
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "x_dtype", "n", "options", "message"),
+    [
+        ((4, 6), jnp.float32, 20, {}, "do not make"),  # K 6 vs the panels' 5
+        ((4, 5), jnp.float32, 40, {}, "do not make"),  # 40 columns need 3 panels, not 2
+        ((4, 5), jnp.bfloat16, 20, {}, "float32 or bfloat16"),  # dtype differs from the panels'
+        ((4, 5), jnp.float32, 20, {"out_dtype": jnp.float16}, "out_dtype"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_field(x_shape, x_dtype, n, options, message):
+    panels = cpu_matmul.pack(jnp.zeros((5, 20), jnp.float32))
+    with pytest.raises(ValueError, match=message):
+        cpu_matmul.matmul(jnp.zeros(x_shape, x_dtype), panels, n, **options)
+
+
+def test_float16_is_not_taken():
+    assert cpu_matmul.supports(jnp.float32) and cpu_matmul.supports(jnp.bfloat16)
+    assert not cpu_matmul.supports(jnp.float16)
