@@ -175,8 +175,10 @@ class ModelRunner:
         kv_lens[:num_seqs] = computed + num_new
         logits_indices = np.zeros(s_bucket, np.int32)
         logits_indices[: len(sample_rows)] = query_start[np.asarray(sample_rows, np.int32) + 1] - 1
+        num_logits = len(sample_rows)
         prompt_targets = None
         if prompt_logprob_seqs:
+            num_logits = s_bucket + t_bucket  # the sampled rows' padding included
             logits_indices = np.concatenate([logits_indices, np.arange(t_bucket, dtype=np.int32)])
             prompt_targets = np.zeros(t_bucket, np.int32)
             for i in prompt_logprob_seqs:
@@ -194,6 +196,7 @@ class ModelRunner:
             kv_lens,
             np.array([num_seqs], np.int32),
             logits_indices,
+            np.array([num_logits], np.int32),
         )
         return batch, s_bucket, prompt_targets
 
@@ -386,4 +389,5 @@ def _dummy_batch(num_tokens: int, num_seqs: int, width: int) -> StepBatch:
         zeros(num_seqs),
         np.array([0], np.int32),
         zeros(num_seqs),
+        np.array([0], np.int32),
     )

@@ -1,7 +1,8 @@
 """Where a decode step's time goes: the whole step, the step without attention, attention alone, and the cost of
 only reading the step's K/V pages, on the embedded model (its real weights, every layer), same run.
 
-For S sequences of `context` cached tokens each (pages scattered over the pool), it times (median of --repeats):
+For S sequences of `context` cached tokens each (pages scattered over the pool), it times (median of --repeats),
+for each matmul and attention implementation asked for:
   step          `forward` with the engine's attention for this backend (cache donated, as the engine runs it)
   no attention  the same step with attention replaced by the identity: matmuls, norms, RoPE, KV writes, LM head
   attention     the attention of all layers alone (layer scan, random queries)
@@ -12,12 +13,14 @@ and prints the attention share of the step and how far attention is from the KV-
   python scripts/bench_decode_step.py                          # 8 x 384 and 64 x 256 (S x context)
   python scripts/bench_decode_step.py --shapes 64x256 --repeats 9
   python scripts/bench_decode_step.py --attention reference,cpu   # XLA reference beside the C++ CPU kernel
+  python scripts/bench_decode_step.py --matmul xla,cpu            # XLA's dots beside the C++ CPU matmul kernel
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 from pathlib import Path
 
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path when run)
 
 from jpaged.model_runner import _step_params  # noqa: E402
-from jpaged.models.llama import StepBatch, forward, init_kv_cache  # noqa: E402
+from jpaged.models.llama import StepBatch, device_params, forward, init_kv_cache  # noqa: E402
 from jpaged.models.loader import load_model  # noqa: E402
 from jpaged.pallas import get_attention_fn, resolve_attention_impl  # noqa: E402
 
@@ -55,6 +58,7 @@ def decode_batch(num_seqs: int, context: int, rng: np.random.Generator) -> tuple
         kv_lens=np.full(num_seqs, context, np.int32),
         num_seqs=np.array([num_seqs], np.int32),
         logits_indices=np.arange(num_seqs, dtype=np.int32),
+        num_logits=np.array([num_seqs], np.int32),
     )
     return batch, num_blocks
 
@@ -150,22 +154,29 @@ def main() -> None:
     parser.add_argument(
         "--attention", default="auto", help="attention_impl values to compare, comma-separated"
     )
+    parser.add_argument(
+        "--matmul",
+        default="auto",
+        help="comma-separated: xla (the stacked matrices, XLA's dots), cpu (panels, the C++ kernel), auto (the "
+        "engine's choice)",
+    )
     args = parser.parse_args()
 
     model = load_model(None, progress=False)
     config = model.config
-    params = jax.device_put(_step_params(model.params))
+    layouts = {"auto": _step_params, "xla": lambda params: params, "cpu": device_params}
+    matmuls = {name: jax.device_put(layouts[name](model.params)) for name in args.matmul.split(",")}
     layout = dict(head_dim=config.head_dim, dtype=jnp.float32)
     impls = [resolve_attention_impl(impl, **layout) for impl in args.attention.split(",")]
     print(f"{config.num_layers} layers, float32, {jax.devices()[0].device_kind}; median of {args.repeats}")
     print(
-        "| S x context | attention impl | step ms | no attention | attention | KV read | attention share "
-        "| attention / KV read |"
+        "| S x context | matmul | attention impl | step ms | no attention | attention | KV read "
+        "| attention share | attention / KV read |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         num_seqs, context = map(int, shape.split("x"))
-        for impl in impls:
+        for (matmul, params), impl in itertools.product(matmuls.items(), impls):
             attention = get_attention_fn(
                 impl, num_kv_heads=config.num_kv_heads, block_size=BLOCK_SIZE, **layout
             )
@@ -173,7 +184,7 @@ def main() -> None:
             share = (t["step"] - t["no attention"]) / t["step"]
             rate = t["KV bytes"] / t["KV read"] / 1e6
             print(
-                f"| {num_seqs} x {context} | {impl} | {t['step']:.0f} | {t['no attention']:.0f} "
+                f"| {num_seqs} x {context} | {matmul} | {impl} | {t['step']:.0f} | {t['no attention']:.0f} "
                 f"| {t['attention']:.0f} | {t['KV read']:.0f} ({rate:.1f} GB/s) | {share:.0%} "
                 f"| {t['attention'] / t['KV read']:.1f}x |"
             )

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import random
 
+import jax.numpy as jnp
 import numpy as np
 from engine_driver import run_requests
 
+from jpaged import model_runner
 from jpaged.config import EngineConfig
 from jpaged.engine import LLMEngine
 from jpaged.sampling_params import SamplingParams
@@ -16,8 +18,18 @@ from jpaged.sampling_params import SamplingParams
 def assert_only_null_block_written(engine: LLMEngine) -> None:
     for pages in engine.runner.kv_cache:
         pages = np.asarray(pages)
-        assert np.any(pages[:, 0])  # the dummy runs' padding tokens wrote there
-        assert not np.any(pages[:, 1:])
+        assert not np.all(pages[:, 0] == 1.0)  # the dummy runs' padding tokens wrote there
+        assert np.all(pages[:, 1:] == 1.0)
+
+
+def pool_of_ones(monkeypatch) -> None:
+    """KV pools filled with ones (finite, as the reference attention needs): any write shows, even of zeros."""
+    real = model_runner.init_kv_cache
+    monkeypatch.setattr(
+        model_runner,
+        "init_kv_cache",
+        lambda *args: real(*args[:4], allocate=jnp.ones),
+    )
 
 
 def small_engine(tiny_model_dir, **overrides) -> LLMEngine:
@@ -25,8 +37,9 @@ def small_engine(tiny_model_dir, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **{**args, **overrides}))
 
 
-def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_dir):
-    warm = small_engine(tiny_model_dir, attention_impl="reference")  # a zero-filled pool: every write shows
+def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_dir, monkeypatch):
+    pool_of_ones(monkeypatch)
+    warm = small_engine(tiny_model_dir, attention_impl="reference")
     shapes = warm.runner.shapes.all_shapes()
     prefill_sized = [t for t, _ in shapes if t > warm.config.max_num_seqs]
     assert prefill_sized and warm.runner.num_unrun_shapes == len(prefill_sized)  # decode-sized ones ran

@@ -43,6 +43,7 @@ class PagedRun:
             *(jnp.asarray(x, jnp.int32) for x in (tokens, positions, slots, tables, query_start, ends)),
             jnp.asarray([len(seqs)], jnp.int32),
             jnp.arange(total, dtype=jnp.int32),
+            jnp.asarray([total], jnp.int32),
         )
         logits, self.cache = self.fn(self.params, self.cache, batch)
         logits = np.asarray(logits)

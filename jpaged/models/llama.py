@@ -43,6 +43,7 @@ class StepBatch(NamedTuple):
     kv_lens: jax.Array  # [S] context length including this step's tokens
     num_seqs: jax.Array  # [1] live sequences
     logits_indices: jax.Array  # [R] token rows whose logits are returned
+    num_logits: jax.Array  # [1] rows of logits_indices in use (the rest is padding: its logits may be zero)
 
 
 LAYER_MATRICES = ("w_qkv", "wo", "w_gate_up", "w_down")
@@ -188,9 +189,8 @@ def forward(
     if panels is None:
         lm_head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
         logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32)
-    else:  # only the sampled rows unless every token's logits are wanted (prompt logprobs)
-        rows = batch.num_seqs[0] if h.shape[0] == batch.kv_lens.shape[0] else h.shape[0]
+    else:
         logits = cpu_matmul.matmul(
-            h, params["lm_head_panels"], c.vocab_size, rows=rows, out_dtype=jnp.float32
+            h, params["lm_head_panels"], c.vocab_size, rows=batch.num_logits[0], out_dtype=jnp.float32
         )
     return logits, KVCache(k_cache, v_cache)
