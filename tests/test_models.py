@@ -24,7 +24,8 @@ class PagedRun:
         params = device_params(loaded.params) if layout == "panels" else loaded.params
         self.config, self.params = loaded.config, jax.device_put(params)
         self.width = max_len // BLOCK
-        self.cache = init_kv_cache(self.config, 1 + num_seqs * self.width, BLOCK, jnp.float32)
+        dtype = params["final_norm"].dtype
+        self.cache = init_kv_cache(self.config, 1 + num_seqs * self.width, BLOCK, dtype)
         self.fn = jax.jit(functools.partial(forward, config=self.config, attention=paged_attention_stacked))
 
     def step(self, seqs: list[list[int]], starts: list[int], ends: list[int]) -> list[np.ndarray]:
@@ -54,9 +55,8 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
 
 
-@pytest.mark.parametrize(
-    "layout", ["stacked", "panels"]
-)  # accelerators' layout, the CPU kernel's (device_params)
+# "stacked": accelerators' layout; "panels": the CPU matmul kernel's (device_params)
+@pytest.mark.parametrize("layout", ["stacked", "panels"])
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_logits_match_transformers_for_ragged_prefill_and_paged_decode(family, layout, tiny_model_dir):
     model_dir = tiny_model_dir(family)
@@ -75,6 +75,17 @@ def test_logits_match_transformers_for_ragged_prefill_and_paged_decode(family, l
             got[i] = np.concatenate([got[i], logits])
     for prompt_logits, reference in zip(got, expected, strict=True):
         assert relative_error(prompt_logits, reference) < 1e-4
+
+
+def test_bfloat16_panels_give_the_logits_of_the_stacked_layout(tiny_model_dir):
+    """The matmul kernel's bfloat16 path (float32 sums, bfloat16 results) against XLA's bfloat16 dots."""
+    loaded = load_model(str(tiny_model_dir("smollm2_tied")), dtype=jnp.bfloat16, progress=False)
+    prompts = [list(map(int, np.random.default_rng(1).integers(0, 49152, n))) for n in (7, 30)]
+    runs = {layout: PagedRun(loaded, len(prompts), layout=layout) for layout in ("stacked", "panels")}
+    for starts, ends in (([0, 0], [5, 28]), ([5, 28], [7, 30])):  # a ragged prefill, then two tokens each
+        stacked, panels = (runs[layout].step(prompts, starts, ends) for layout in ("stacked", "panels"))
+        for expected, got in zip(stacked, panels, strict=True):
+            assert relative_error(got, expected) < 2e-2
 
 
 def test_unsupported_architecture_is_a_value_error(tmp_path):
