@@ -19,7 +19,6 @@ from jpaged.pallas.ragged_paged_attention import check_inputs, over_pages
 
 _TARGET = "jpaged_paged_attention"
 _UNINITIALIZED_TARGET = "jpaged_uninitialized"
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
@@ -32,7 +31,7 @@ def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
 
 def check_layout(head_dim: int, dtype) -> None:
     """The kernel works in float32 on eight-float vectors; raises ValueError where it cannot."""
-    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    if jnp.dtype(dtype) not in cpu_library.SUPPORTED_DTYPES:
         raise ValueError(f"the CPU kernel takes float32 or bfloat16, not {jnp.dtype(dtype)}")
     if head_dim % 8:
         raise ValueError(f"the CPU kernel needs a head_dim that is a multiple of 8, got {head_dim}")

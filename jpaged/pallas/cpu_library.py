@@ -19,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ TARGETS = {
     "jpaged_uninitialized": "JpagedUninitialized",
     "jpaged_matmul": "JpagedMatmul",
 }
+# What the kernels compute on (cpu_kernel.h converts bfloat16 to and from float32; float16 is not handled).
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17")
 
 

@@ -19,19 +19,18 @@ import jax.numpy as jnp
 from jpaged.pallas import cpu_library
 
 PANEL = 16
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _TARGET = "jpaged_matmul"
 
 
 def supports(dtype) -> bool:
     """Whether the kernel takes weights of `dtype` here (building it the first time)."""
-    return jnp.dtype(dtype) in SUPPORTED_DTYPES and cpu_library.available()
+    return jnp.dtype(dtype) in cpu_library.SUPPORTED_DTYPES and cpu_library.available()
 
 
 @jax.jit
 def pack(w: jax.Array) -> jax.Array:
     """w [..., K, N] -> panels [..., ceil(N / 16), K, 16]."""
-    k, n = w.shape[-2:]
+    n = w.shape[-1]
     w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, -n % PANEL)])
     return jnp.swapaxes(w.reshape(*w.shape[:-1], -1, PANEL), -2, -3)
 
@@ -57,7 +56,7 @@ def matmul(
         panels = panels[None]
     if x.ndim != 2 or panels.ndim != 4 or panels.shape[2] != x.shape[1] or panels.shape[1] != -(-n // PANEL):
         raise ValueError(f"x {x.shape} and panels {panels.shape} do not make an [M, {n}] product")
-    if x.dtype != panels.dtype or jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+    if x.dtype != panels.dtype or jnp.dtype(x.dtype) not in cpu_library.SUPPORTED_DTYPES:
         raise ValueError(f"x and panels must both be float32 or bfloat16, got {x.dtype} and {panels.dtype}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
