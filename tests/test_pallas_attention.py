@@ -78,6 +78,7 @@ CONFIGS = [
     CPU_F32,
     Config("cpu", "float32", 32, 2, 4, 24, DECODE, sliding_window=40),  # D=24: a partial 64-float chunk
     Config("cpu", "float32", 16, 1, 8, 32, PREFILL, soft_cap=2.0),
+    Config("cpu", "float32", 16, 2, 2, 32, PREFILL, sliding_window=40),
     Config("cpu", "float32", 8, 2, 2, 16, DECODE),  # pages shorter than the kernel's eight-key groups
     CPU_BF16,
     Config("cpu", "bfloat16", 32, 4, 1, 64, DECODE, sliding_window=40, soft_cap=2.0),
