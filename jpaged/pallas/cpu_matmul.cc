@@ -38,12 +38,17 @@ inline void StoreRow(V8 lo, V8 hi, uint16_t* out, int width) {
 }
 
 // out[m][0:width] = x[m] . panel for MR rows: each row's x[m][k] broadcast against the panel's 16 columns.
-template <int MR, typename T, typename Out>
+// The first block over a panel (kFirst) reads it from memory and asks for its rows kAhead steps early: the
+// hardware prefetcher alone left the 6-24-row products of a decode step 5-15% slower (same-process A/B); later
+// blocks find the panel in cache.
+template <int MR, bool kFirst, typename T, typename Out>
 inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, int width) {
+  constexpr int kAhead = 16;
   V8 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = V8{};
   for (int k = 0; k < K; ++k) {
+    if (kFirst) __builtin_prefetch(panel + (k + kAhead) * kPanel);
     const V8 w_lo = Load(panel + k * kPanel), w_hi = Load(panel + k * kPanel + 8);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
@@ -56,18 +61,23 @@ inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, 
   for (int m = 0; m < MR; ++m) StoreRow(lo[m], hi[m], out + m * ldo, width);
 }
 
+// Rows [m, m + MR) of a panel's product.
+template <int MR, typename T, typename Out>
+inline void RowBlock(const float* x, int K, const T* panel, Out* out, int N, int width, int m) {
+  if (m == 0) return Block<MR, true>(x, K, panel, out, N, width);
+  Block<MR, false>(x + m * K, K, panel, out + m * N, N, width);
+}
+
 template <typename T, typename Out>
 void Panel(const float* x, int rows, int K, const T* panel, Out* out, int N, int width) {
   int m = 0;
-  for (; m + kRowBlock <= rows; m += kRowBlock) Block<kRowBlock>(x + m * K, K, panel, out + m * N, N, width);
-  const float* xm = x + m * K;
-  Out* om = out + m * N;
+  for (; m + kRowBlock <= rows; m += kRowBlock) RowBlock<kRowBlock>(x, K, panel, out, N, width, m);
   switch (rows - m) {
-    case 1: return Block<1>(xm, K, panel, om, N, width);
-    case 2: return Block<2>(xm, K, panel, om, N, width);
-    case 3: return Block<3>(xm, K, panel, om, N, width);
-    case 4: return Block<4>(xm, K, panel, om, N, width);
-    case 5: return Block<5>(xm, K, panel, om, N, width);
+    case 1: return RowBlock<1>(x, K, panel, out, N, width, m);
+    case 2: return RowBlock<2>(x, K, panel, out, N, width, m);
+    case 3: return RowBlock<3>(x, K, panel, out, N, width, m);
+    case 4: return RowBlock<4>(x, K, panel, out, N, width, m);
+    case 5: return RowBlock<5>(x, K, panel, out, N, width, m);
   }
 }
 
