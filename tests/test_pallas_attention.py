@@ -80,6 +80,7 @@ CONFIGS = [
     Config("cpu", "float32", 16, 1, 8, 32, PREFILL, soft_cap=2.0),
     Config("cpu", "float32", 16, 2, 2, 32, PREFILL, sliding_window=40),
     Config("cpu", "float32", 8, 2, 2, 16, DECODE),  # pages shorter than the kernel's eight-key groups
+    Config("cpu", "float32", 32, 8, 1, 64, DECODE),  # 128 KB blocks: not streamed in whole first
     CPU_BF16,
     Config("cpu", "bfloat16", 32, 4, 1, 64, DECODE, sliding_window=40, soft_cap=2.0),
     GPU_F32,
