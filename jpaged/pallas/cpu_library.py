@@ -66,12 +66,26 @@ def _build(compiler: str) -> Path:
         logger.info("compiling the CPU kernels into %s (once per machine)", root)
         root.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
-        command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        compile_sources(SOURCES, partial, compiler)
         partial.replace(library)  # atomic: a concurrent process sees the whole library or none
     return library
+
+
+def compile_sources(sources, output: Path, compiler: str = "g++") -> None:
+    """Compiles C++ `sources` into the shared library `output` with the kernels' flags and headers (also what
+    scripts/ab_cpu_kernels.py builds its variants with); raises RuntimeError with the compiler's message."""
+    command = [
+        compiler,
+        *_FLAGS,
+        f"-I{jax.ffi.include_dir()}",
+        f"-I{_HERE}",
+        *map(str, sources),
+        "-o",
+        str(output),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
 
 
 @functools.cache

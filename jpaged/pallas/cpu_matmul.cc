@@ -39,8 +39,8 @@ inline void StoreRow(V8 lo, V8 hi, uint16_t* out, int width) {
 
 // out[m][0:width] = x[m] . panel for MR rows: each row's x[m][k] broadcast against the panel's 16 columns.
 // The first block over a panel (kFirst) reads it from memory and asks for its rows kAhead steps early: the
-// hardware prefetcher alone left the 6-24-row products of a decode step 5-15% slower (same-process A/B); later
-// blocks find the panel in cache.
+// hardware prefetcher alone left the 6-24-row products of a decode step ~10% slower (scripts/ab_cpu_kernels.py
+// matmul); later blocks find the panel in cache.
 template <int MR, bool kFirst, typename T, typename Out>
 inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, int width) {
   constexpr int kAhead = 16;

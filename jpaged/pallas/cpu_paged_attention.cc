@@ -193,7 +193,8 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
     if (stream) Touch(k_block, v_block, block_bytes);
     // Meanwhile the next block is requested, a head's share at a time. The two together took a 64 x 256 decode
     // step's attention (SmolLM2's heads) from ~105 to ~65-75 ms; the Touch alone gave ~84, the prefetch alone ~105.
-    // With 4 KV heads x 128 dims (64 KB a block): ~28 -> ~25 ms for 32 sequences x 256, 8 layers.
+    // With 4 KV heads x 128 dims (64 KB a block): ~32 -> ~28 ms for 32 sequences x 256, 8 layers (A/Bs by
+    // scripts/ab_cpu_kernels.py).
     const int next = b < last_pos / B ? table[b + 1] : -1;
     const bool prefetch = stream && next >= 0 && next < p.num_blocks;
     const int64_t next_offset = static_cast<int64_t>(prefetch ? next : 0) * B * row_stride;

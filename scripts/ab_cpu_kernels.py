@@ -1,0 +1,157 @@
+"""A/B two versions of a C++ CPU kernel in one process, alternating runs, on the embedded model's shapes.
+
+Between processes this shared 2-core machine's timings move by 10-50%; two builds of a kernel timed in turns in
+one process differ by a few percent at most when they are the same code. Each source is compiled alone (with the
+current cpu_kernel.h) and registered under a target of its own; a source may be a file or REV:PATH from git.
+
+  attention: the decode attention of every layer (SmolLM2: 30 layers, 9 query / 3 KV heads, head dim 64, blocks
+             of 16), --seqs sequences of --context tokens each, pages in random order across the pool
+  matmul:    SmolLM2's four layer matrices through 30 layers (one stacked panel array each, as the engine has
+             them), x of --rows rows
+
+  python scripts/ab_cpu_kernels.py attention 473c64e:jpaged/pallas/cpu_paged_attention.cc \\
+      jpaged/pallas/cpu_paged_attention.cc
+  python scripts/ab_cpu_kernels.py attention A.cc B.cc --shape 8,32,8,128 --seqs 32 --dtype bfloat16
+  python scripts/ab_cpu_kernels.py matmul c77f7a1~1:jpaged/pallas/cpu_matmul.cc jpaged/pallas/cpu_matmul.cc
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jpaged.pallas import cpu_library, cpu_matmul  # noqa: E402
+
+SYMBOLS = {"attention": "JpagedPagedAttention", "matmul": "JpagedMatmul"}
+MATMUL_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # SmolLM2's (K, N) per layer
+NUM_LAYERS = 30
+BLOCK_SIZE = 16
+
+
+def build(source: str, kernel: str, index: int, workdir: Path) -> str:
+    """Compiles `source` (a path or REV:PATH) and registers it as FFI target `ab<index>`."""
+    if ":" in source and not Path(source).exists():
+        text = subprocess.run(["git", "show", source], capture_output=True, text=True, check=True).stdout
+        path = workdir / f"variant{index}.cc"
+        path.write_text(text)
+    else:
+        path = Path(source)
+    library = workdir / f"variant{index}.so"
+    cpu_library.compile_sources([path], library)
+    handle = ctypes.CDLL(str(library))
+    target = f"ab{index}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, SYMBOLS[kernel])), platform="cpu")
+    return target
+
+
+def attention_runs(targets, args, rng):
+    """One jitted function per target: every layer's decode attention, each layer's output the next's queries."""
+    num_layers, num_heads, num_kv_heads, head_dim = map(int, args.shape.split(","))
+    dtype = jnp.dtype(args.dtype)
+    pages = -(-args.context // BLOCK_SIZE)
+    num_blocks = 1 + args.seqs * pages
+    cache_shape = (num_layers, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(cache_shape), dtype)
+    v = jnp.asarray(rng.standard_normal(cache_shape), dtype)
+    tables = jnp.asarray(rng.permutation(np.arange(1, num_blocks)).reshape(args.seqs, pages).astype(np.int32))
+    kv_lens = jnp.full((args.seqs,), args.context, jnp.int32)
+    query_start = jnp.arange(args.seqs + 1, dtype=jnp.int32)
+    num_seqs = jnp.array([args.seqs], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((args.seqs, num_heads, head_dim)), dtype)
+
+    def make(target):
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
+
+        def layer(i, x):
+            return call(
+                x, k, v, i.reshape(1), kv_lens, tables, query_start, num_seqs,
+                sm_scale=np.float32(head_dim**-0.5), sliding_window=np.int32(0), soft_cap=np.float32(0.0),
+            )  # fmt: skip
+
+        return jax.jit(lambda q: jax.lax.fori_loop(0, num_layers, layer, q)), (q,)
+
+    label = f"{args.seqs} x {args.context}, {num_layers} layers, heads {num_heads}/{num_kv_heads}x{head_dim}"
+    return [(f"{label}, {args.dtype}", [make(t) for t in targets])]
+
+
+def matmul_runs(targets, args, rng):
+    """Per row count, one jitted chain per target through every layer's four products."""
+    dtype = jnp.dtype(args.dtype)
+    stacks = [
+        cpu_matmul.pack(jnp.asarray(rng.standard_normal((NUM_LAYERS, k, n)) / np.sqrt(k), dtype))
+        for k, n in MATMUL_SHAPES
+    ]
+
+    def make(target, x):
+        def product(h, panels, n, i):
+            call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((h.shape[0], n), h.dtype))
+            return call(h, panels, i.reshape(1), jnp.array([h.shape[0]], jnp.int32))
+
+        def layer(i, x):
+            h = x
+            for (k, n), panels in zip(MATMUL_SHAPES, stacks, strict=True):
+                h = product(h[:, :k], panels, n, i)
+            return x + (1e-3 * h[:, : x.shape[1]]).astype(x.dtype)
+
+        return jax.jit(lambda x: jax.lax.fori_loop(0, NUM_LAYERS, layer, x)), (x,)
+
+    runs = []
+    for rows in map(int, args.rows.split(",")):
+        x = jnp.asarray(rng.standard_normal((rows, MATMUL_SHAPES[0][0])), dtype)
+        runs.append((f"{rows} rows, {args.dtype}", [make(t, x) for t in targets]))
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("kernel", choices=sorted(SYMBOLS))
+    parser.add_argument("sources", nargs=2, metavar="SOURCE", help="A and B: a .cc path or REV:PATH")
+    parser.add_argument("--repeats", type=int, default=11, help="runs of each, alternating")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--shape", default="30,9,3,64", help="attention: layers,heads,kv_heads,head_dim")
+    parser.add_argument("--seqs", type=int, default=64, help="attention: sequences")
+    parser.add_argument("--context", type=int, default=256, help="attention: tokens per sequence")
+    parser.add_argument("--rows", default="6,24,64,512", help="matmul: row counts")
+    args = parser.parse_args()
+    if not cpu_library.available():
+        raise SystemExit("the C++ CPU kernels cannot be built here")
+
+    with tempfile.TemporaryDirectory() as workdir:
+        targets = [build(s, args.kernel, i, Path(workdir)) for i, s in enumerate(args.sources)]
+        rng = np.random.default_rng(0)
+        runs = (attention_runs if args.kernel == "attention" else matmul_runs)(targets, args, rng)
+        print(
+            f"{args.kernel}: A = {args.sources[0]}, B = {args.sources[1]}; median of {args.repeats}, alternating"
+        )
+        print("| case | A ms | B ms | B / A | max abs diff |")
+        print("|---|---|---|---|---|")
+        for label, pair in runs:
+            outputs = [np.asarray(fn(*inputs), np.float64) for fn, inputs in pair]  # also compiles
+            times: list[list[float]] = [[], []]
+            for _ in range(args.repeats):
+                for (fn, inputs), spent in zip(pair, times, strict=True):
+                    start = time.perf_counter()
+                    jax.block_until_ready(fn(*inputs))
+                    spent.append(time.perf_counter() - start)
+            a, b = (1e3 * statistics.median(t) for t in times)
+            diff = np.abs(outputs[0] - outputs[1]).max()
+            print(f"| {label} | {a:.1f} | {b:.1f} | {b / a:.2f} | {diff:.1e} |")
+    print("\ncommand: python scripts/ab_cpu_kernels.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
