@@ -1,7 +1,7 @@
 """A/B two versions of a C++ CPU kernel in one process, alternating runs, on the embedded model's shapes.
 
-Between processes this shared 2-core machine's timings move by 10-50%; two builds of a kernel timed in turns in
-one process differ by a few percent at most when they are the same code. Each source is compiled alone (with the
+Between processes this shared 2-core machine's timings move by 10-50%; two builds of the same code timed in turns
+in one process came within ~5% of each other with the default 11 repeats (more with fewer). Each source is compiled alone (with the
 current cpu_kernel.h) and registered under a target of its own; a source may be a file or REV:PATH from git.
 
   attention: the decode attention of every layer (SmolLM2: 30 layers, 9 query / 3 KV heads, head dim 64, blocks
@@ -32,11 +32,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_matmul import NUM_LAYERS  # noqa: E402  (scripts/ is on the path when run)
+from bench_matmul import SHAPES as MATMUL_SHAPES  # noqa: E402
+
 from jpaged.pallas import cpu_library, cpu_matmul  # noqa: E402
 
 SYMBOLS = {"attention": "JpagedPagedAttention", "matmul": "JpagedMatmul"}
-MATMUL_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # SmolLM2's (K, N) per layer
-NUM_LAYERS = 30
 BLOCK_SIZE = 16
 
 
