@@ -1,8 +1,9 @@
 """A/B two versions of a C++ CPU kernel in one process, alternating runs, on the embedded model's shapes.
 
 Between processes this shared 2-core machine's timings move by 10-50%; two builds of the same code timed in turns
-in one process came within ~5% of each other with the default 11 repeats (more with fewer). Each source is compiled alone (with the
-current cpu_kernel.h) and registered under a target of its own; a source may be a file or REV:PATH from git.
+in one process came within ~5% of each other with the default 11 repeats (more with fewer). Each source is
+compiled alone (with the current cpu_kernel.h) and registered under a target of its own; a source may be a file
+or REV:PATH from git.
 
   attention: the decode attention of every layer (SmolLM2: 30 layers, 9 query / 3 KV heads, head dim 64, blocks
              of 16), --seqs sequences of --context tokens each, pages in random order across the pool
@@ -32,13 +33,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_matmul import NUM_LAYERS  # noqa: E402  (scripts/ is on the path when run)
+from bench_decode_step import BLOCK_SIZE, decode_batch  # noqa: E402  (scripts/ is on the path when run)
+from bench_matmul import NUM_LAYERS  # noqa: E402
 from bench_matmul import SHAPES as MATMUL_SHAPES  # noqa: E402
 
 from jpaged.pallas import cpu_library, cpu_matmul  # noqa: E402
 
 SYMBOLS = {"attention": "JpagedPagedAttention", "matmul": "JpagedMatmul"}
-BLOCK_SIZE = 16
 
 
 def build(source: str, kernel: str, index: int, workdir: Path) -> str:
@@ -61,16 +62,14 @@ def attention_runs(targets, args, rng):
     """One jitted function per target: every layer's decode attention, each layer's output the next's queries."""
     num_layers, num_heads, num_kv_heads, head_dim = map(int, args.shape.split(","))
     dtype = jnp.dtype(args.dtype)
-    pages = -(-args.context // BLOCK_SIZE)
-    num_blocks = 1 + args.seqs * pages
+    batch, num_blocks = decode_batch(args.seqs, args.context, rng)
     cache_shape = (num_layers, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     k = jnp.asarray(rng.standard_normal(cache_shape), dtype)
     v = jnp.asarray(rng.standard_normal(cache_shape), dtype)
-    tables = jnp.asarray(rng.permutation(np.arange(1, num_blocks)).reshape(args.seqs, pages).astype(np.int32))
-    kv_lens = jnp.full((args.seqs,), args.context, jnp.int32)
-    query_start = jnp.arange(args.seqs + 1, dtype=jnp.int32)
-    num_seqs = jnp.array([args.seqs], jnp.int32)
     q = jnp.asarray(rng.standard_normal((args.seqs, num_heads, head_dim)), dtype)
+    tables, kv_lens, query_start, num_seqs = map(
+        jnp.asarray, (batch.block_tables, batch.kv_lens, batch.query_start, batch.num_seqs)
+    )
 
     def make(target):
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))

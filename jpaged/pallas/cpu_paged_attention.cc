@@ -180,6 +180,7 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
   const int first_key = p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
   const int32_t* table = p.block_tables + static_cast<int64_t>(item.seq) * p.table_width;
   const int64_t block_bytes = B * row_stride * static_cast<int64_t>(sizeof(T));
+  const bool stream = 2 * block_bytes <= kStreamBytes;
   for (int b = first_key / B; b <= last_pos / B; ++b) {
     const int block = table[b];
     if (block < 0 || block >= p.num_blocks) return false;
@@ -189,7 +190,6 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
     const bool all_visible = key0 + num_keys - 1 <= first_pos && (p.window <= 0 || key0 > last_pos - p.window);
     const T* k_block = k_layer + static_cast<int64_t>(block) * B * row_stride;
     const T* v_block = v_layer + static_cast<int64_t>(block) * B * row_stride;
-    const bool stream = 2 * block_bytes <= kStreamBytes;
     if (stream) Touch(k_block, v_block, block_bytes);
     // Meanwhile the next block is requested, a head's share at a time. The two together took a 64 x 256 decode
     // step's attention (SmolLM2's heads) from ~105 to ~65-75 ms; the Touch alone gave ~84, the prefetch alone ~105.
