@@ -1,6 +1,6 @@
 """jpaged: PagedAttention LLM inference in JAX and Pallas.
 
-Public names load lazily, so `import jpaged.block_manager` (pure Python) does not pull in JAX or transformers.
+Public names load lazily, so `import jpaged.core.block_manager` (pure Python) does not pull in JAX or transformers.
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "jpaged.llm",
-    "generate": "jpaged.llm",
-    "LLMEngine": "jpaged.engine",
-    "BeamSearchParams": "jpaged.beam_search",
+    "LLM": "jpaged.entrypoints.llm",
+    "generate": "jpaged.entrypoints.llm",
+    "LLMEngine": "jpaged.engine.llm_engine",
+    "BeamSearchParams": "jpaged.sampling_params",
     "EngineConfig": "jpaged.config",
     "SamplingParams": "jpaged.sampling_params",
     "RequestOutputKind": "jpaged.sampling_params",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jpaged.pallas import ATTENTION_IMPLS
-
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
+# The attention implementations jpaged.pallas dispatches to; auto picks by platform.
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 
 
 @dataclasses.dataclass
@@ -29,9 +29,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU/TPU
     seed: int = 0
     tensor_parallel_size: int = 1
-    attention_impl: str = (
-        "auto"  # "reference" (XLA), "pallas" (GPU/TPU) or "cpu" (C++); auto picks by platform
-    )
+    attention_impl: str = "auto"  # "reference" (XLA), "pallas" (GPU/TPU) or "cpu" (C++); see ATTENTION_IMPLS
     enforce_eager: bool = False  # skip warm-up; buckets compile on first use
     compilation_cache_dir: str | None = None  # compiled steps kept here; default ~/.cache/jpaged/xla
 

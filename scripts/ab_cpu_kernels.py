@@ -2,7 +2,7 @@
 
 Between processes this shared 2-core machine's timings move by 10-50%; two builds of the same code timed in turns
 in one process came within ~5% of each other with the default 11 repeats (more with fewer). Each source is
-compiled alone (with the current cpu_kernel.h) and registered under a target of its own; a source may be a file
+compiled alone (with the current kernel.h) and registered under a target of its own; a source may be a file
 or REV:PATH from git.
 
   attention: the decode attention of every layer (SmolLM2: 30 layers, 9 query / 3 KV heads, head dim 64, blocks
@@ -11,9 +11,9 @@ or REV:PATH from git.
              them), x of --rows rows
 
   python scripts/ab_cpu_kernels.py attention 473c64e:jpaged/pallas/cpu_paged_attention.cc \\
-      jpaged/pallas/cpu_paged_attention.cc
+      jpaged/pallas/cpu/paged_attention.cc
   python scripts/ab_cpu_kernels.py attention A.cc B.cc --shape 8,32,8,128 --seqs 32 --dtype bfloat16
-  python scripts/ab_cpu_kernels.py matmul c77f7a1~1:jpaged/pallas/cpu_matmul.cc jpaged/pallas/cpu_matmul.cc
+  python scripts/ab_cpu_kernels.py matmul c77f7a1~1:jpaged/pallas/cpu_matmul.cc jpaged/pallas/cpu/matmul.cc
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from bench_decode_step import BLOCK_SIZE, decode_batch  # noqa: E402  (scripts/ 
 from bench_matmul import NUM_LAYERS  # noqa: E402
 from bench_matmul import SHAPES as MATMUL_SHAPES  # noqa: E402
 
-from jpaged.pallas import cpu_library, cpu_matmul  # noqa: E402
+from jpaged.pallas.cpu import library as cpu_library  # noqa: E402
+from jpaged.pallas.cpu import matmul as cpu_matmul  # noqa: E402
 
 SYMBOLS = {"attention": "JpagedPagedAttention", "matmul": "JpagedMatmul"}
 
@@ -47,7 +48,7 @@ def build(source: str, kernel: str, index: int, workdir: Path) -> str:
     if ":" in source and not Path(source).exists():
         text = subprocess.run(["git", "show", source], capture_output=True, text=True, check=True).stdout
         path = workdir / f"variant{index}.cc"
-        path.write_text(text)
+        path.write_text(text.replace('"cpu_kernel.h"', '"kernel.h"'))  # the header's name before pallas/cpu/
     else:
         path = Path(source)
     library = workdir / f"variant{index}.so"

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path when run)
 
-from jpaged.model_runner import _step_params  # noqa: E402
 from jpaged.models.llama import StepBatch, device_params, forward, init_kv_cache  # noqa: E402
 from jpaged.models.loader import load_model  # noqa: E402
 from jpaged.pallas import get_attention_fn, resolve_attention_impl  # noqa: E402
+from jpaged.runner.model_runner import _step_params  # noqa: E402
 
 BLOCK_SIZE = 16
 KV_READ_PAGES = 4

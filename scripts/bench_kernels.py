@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.pallas import cpu_attention, cpu_library
+from jpaged.pallas.cpu import attention as cpu_attention
+from jpaged.pallas.cpu import library as cpu_library
 from jpaged.pallas.reference import ragged_paged_attention_reference
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -113,9 +114,9 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
 
 def kernel_for_backend(backend: str):
     if backend == "tpu":
-        from jpaged.pallas.ragged_paged_attention_tpu import ragged_paged_attention
+        from jpaged.pallas.tpu import ragged_paged_attention
     else:
-        from jpaged.pallas.ragged_paged_attention import ragged_paged_attention
+        from jpaged.pallas.gpu import ragged_paged_attention
     return functools.partial(ragged_paged_attention, interpret=backend == "cpu")
 
 

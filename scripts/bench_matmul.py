@@ -1,4 +1,4 @@
-"""The model's matrix products on CPU: XLA's dot vs the C++ matmul kernel (jpaged/pallas/cpu_matmul.py), same run.
+"""The model's matrix products on CPU: XLA's dot vs the C++ matmul kernel (jpaged/pallas/cpu/matmul.py), same run.
 
 Times the four weight matrices of every layer of the embedded model's shape (SmolLM2-135M: qkv 576x960, o 576x576,
 gate_up 576x3072, down 1536x576; 30 layers, random weights, one jitted chain per row count) at several row counts
@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path when run)
 
-from jpaged.pallas import cpu_matmul  # noqa: E402
+from jpaged.pallas.cpu import matmul as cpu_matmul  # noqa: E402
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N) per layer, in order
 NUM_LAYERS = 30

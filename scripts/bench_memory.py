@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jpaged.block_manager import BlockManager  # noqa: E402
+from jpaged.core.block_manager import BlockManager  # noqa: E402
 
 WATERMARK_FRACTION = 0.01  # vLLM's default admission watermark: keeps decodes from preempting at once
 

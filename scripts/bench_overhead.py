@@ -52,9 +52,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from jpaged.config import EngineConfig
-    from jpaged.engine import LLMEngine
+    from jpaged.engine.llm_engine import LLMEngine
     from jpaged.models.loader import load_model
-    from jpaged.sampler import SamplerOutput
+    from jpaged.runner.sampler import SamplerOutput
     from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
     model = load_model(None, progress=False)

@@ -89,7 +89,7 @@ def main() -> None:
         import torch
         import transformers
 
-        from jpaged.default_model import default_model_path
+        from jpaged.models.default_model import default_model_path
 
         path = default_model_path()
         hf = transformers.AutoModelForCausalLM.from_pretrained(

@@ -8,26 +8,26 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-import jpaged
-from jpaged.async_engine import AsyncLLMEngine
-from jpaged.config import EngineConfig
-from server.chat_template import chat_prompt_ids, load_chat_template
-from server.errors import APIError, error_response, install_error_handlers
-from server.lifecycle import GracefulServer
-from server.metrics import ServerMetrics
-from server.protocol import (
+from jpaged_server.chat_template import chat_prompt_ids, load_chat_template
+from jpaged_server.errors import APIError, error_response, install_error_handlers
+from jpaged_server.lifecycle import GracefulServer
+from jpaged_server.metrics import ServerMetrics
+from jpaged_server.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeRequest,
 )
-from server.serving_chat import create_chat_completion
-from server.serving_completions import create_completion
-from server.state import ServerState, get_state
+from jpaged_server.serving_chat import create_chat_completion
+from jpaged_server.serving_completions import create_completion
+from jpaged_server.state import ServerState, get_state
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import jpaged
+from jpaged.config import EngineConfig
+from jpaged.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
 

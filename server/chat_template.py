@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jpaged_server.errors import APIError
+from jpaged_server.protocol import ChatMessage
 
-from jpaged.tokenizer import apply_chat_template
-from server.errors import APIError
-from server.protocol import ChatMessage
+from jpaged.engine.tokenizer import apply_chat_template
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -30,6 +30,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    from server.api_server import run_server
+    from jpaged_server.api_server import run_server
 
     return run_server(args, config)

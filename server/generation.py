@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
+from jpaged_server.errors import APIError
+from jpaged_server.state import ServerState
 
-from jpaged.async_engine import EngineDeadError
+from jpaged.engine.async_engine import EngineDeadError
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
-from server.errors import APIError
-from server.state import ServerState
 
 _DONE = object()
 

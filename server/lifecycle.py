@@ -16,8 +16,7 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
-
-from server.state import ServerState
+from jpaged_server.state import ServerState
 
 logger = logging.getLogger(__name__)
 

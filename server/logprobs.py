@@ -5,8 +5,9 @@ Each engine entry maps token id -> Logprob for the sampled token (with its true 
 
 from __future__ import annotations
 
+from jpaged_server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+
 from jpaged.outputs import Logprob
-from server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to this too
 

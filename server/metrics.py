@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jpaged.async_engine import AsyncLLMEngine
+from jpaged.engine.async_engine import AsyncLLMEngine
 from jpaged.outputs import RequestOutput
 
 # vLLM's buckets, so dashboards built for vLLM read these unchanged.

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jpaged.beam_search import BeamSearchParams
-from jpaged.engine import LLMEngine
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
-from server.errors import APIError, bad_request
-from server.protocol import SamplingRequest
+from jpaged_server.errors import APIError, bad_request
+from jpaged_server.protocol import SamplingRequest
+
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 

@@ -7,14 +7,11 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import MAX_LOGPROBS
-from server.chat_template import chat_prompt_ids
-from server.errors import APIError
-from server.generation import EngineInput, GenerationStopped, generate_outputs
-from server.logprobs import chat_logprobs
-from server.protocol import (
+from jpaged_server.chat_template import chat_prompt_ids
+from jpaged_server.errors import APIError
+from jpaged_server.generation import EngineInput, GenerationStopped, generate_outputs
+from jpaged_server.logprobs import chat_logprobs
+from jpaged_server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -23,9 +20,12 @@ from server.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
-from server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
-from server.state import ServerState, get_state
-from server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
+from jpaged_server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
+from jpaged_server.state import ServerState, get_state
+from jpaged_server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
+
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import MAX_LOGPROBS
 
 
 def _num_logprobs(body: ChatCompletionRequest) -> int | None:

@@ -8,16 +8,16 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jpaged_server.errors import APIError
+from jpaged_server.generation import EngineInput, GenerationStopped, generate_outputs
+from jpaged_server.logprobs import completion_logprobs, echoed_prompt_logprobs, join_logprobs
+from jpaged_server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from jpaged_server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
+from jpaged_server.state import ServerState, get_state
+from jpaged_server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
 
-from jpaged.beam_search import BeamSearchParams
 from jpaged.outputs import RequestOutput
-from server.errors import APIError
-from server.generation import EngineInput, GenerationStopped, generate_outputs
-from server.logprobs import completion_logprobs, echoed_prompt_logprobs, join_logprobs
-from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
-from server.state import ServerState, get_state
-from server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
+from jpaged.sampling_params import BeamSearchParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -7,10 +7,10 @@ import secrets
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from jpaged_server.errors import APIError
+from jpaged_server.metrics import ServerMetrics
 
-from jpaged.async_engine import AsyncLLMEngine
-from server.errors import APIError
-from server.metrics import ServerMetrics
+from jpaged.engine.async_engine import AsyncLLMEngine
 
 
 @dataclass

@@ -12,12 +12,12 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 
+from jpaged_server.errors import APIError, error_body
+from jpaged_server.generation import GenerationStopped
+from jpaged_server.protocol import UsageInfo
 from pydantic import BaseModel
 
 from jpaged.outputs import CompletionOutput, RequestOutput
-from server.errors import APIError, error_body
-from server.generation import GenerationStopped
-from server.protocol import UsageInfo
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream

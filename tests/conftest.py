@@ -13,7 +13,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jpaged.default_model import default_model_path  # noqa: E402
+from jpaged.models.default_model import default_model_path  # noqa: E402
 
 TINY = dict(
     hidden_size=64,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jpaged.engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.outputs import RequestOutput
 
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from jpaged.async_engine import AsyncLLMEngine
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
+from jpaged.engine.async_engine import AsyncLLMEngine
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.sampling_params import SamplingParams
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)

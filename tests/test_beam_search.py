@@ -8,16 +8,16 @@ import httpx
 import pytest
 from conftest import TINY, hf_model
 from engine_driver import run_requests
+from jpaged_server.api_server import build_app
+from server_harness import serve_in_thread
 
-from jpaged.async_engine import AsyncLLMEngine
-from jpaged.beam_search import BeamSearch, BeamSearchParams
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
-from jpaged.llm import LLM
+from jpaged.core.beam_search import BeamSearch
+from jpaged.engine.async_engine import AsyncLLMEngine
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.entrypoints.llm import LLM
 from jpaged.models.loader import load_model
-from jpaged.sampling_params import SamplingParams
-from server.api_server import build_app
-from server.testing import serve_in_thread
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 EOS = 9
 

@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from jpaged.block_manager import BlockManager
-from jpaged.block_pool import NULL_BLOCK, BlockPool, hash_block_tokens
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.block_pool import NULL_BLOCK, BlockPool, hash_block_tokens
 
 BLOCK = 16
 

@@ -14,8 +14,8 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jpaged.block_manager import BlockManager
-from jpaged.block_pool import NULL_BLOCK, BlockHash, hash_block_tokens
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.block_pool import NULL_BLOCK, BlockHash, hash_block_tokens
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 17  # 16 usable: small enough that allocation fails and cached blocks get evicted

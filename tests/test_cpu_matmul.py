@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.pallas import cpu_matmul
+from jpaged.pallas.cpu import matmul as cpu_matmul
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
 SHAPES = [(1, 8, 1), (7, 40, 24), (16, 576, 960), (13, 1536, 576), (64, 100, 33), (512, 64, 50)]  # (M, K, N)

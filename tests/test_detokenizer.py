@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from jpaged.detokenizer import IncrementalDetokenizer, decode_output, decoder_for
+from jpaged.engine.detokenizer import IncrementalDetokenizer, decode_output, decoder_for
 from jpaged.sampling_params import SamplingParams
 
 THAI = "สวัสดีครับ ยินดีต้อนรับสู่ประเทศไทย"

@@ -7,7 +7,7 @@ from engine_driver import run_requests
 from greedy import assert_same_greedy
 
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.models.loader import load_model
 from jpaged.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ from engine_driver import run_requests
 
 from jpaged import model_runner
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.sampling_params import SamplingParams
 
 

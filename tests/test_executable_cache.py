@@ -9,8 +9,8 @@ import pytest
 from engine_driver import run_requests
 
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
-from jpaged.executable_cache import ExecutableCache
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.sampling_params import SamplingParams
 
 

@@ -107,7 +107,7 @@ def test_cli_generate_answers_paris():
         [
             sys.executable,
             "-m",
-            "jpaged.cli",
+            "jpaged.entrypoints.cli",
             "generate",
             "What is the capital of France?",
             "--max-tokens",

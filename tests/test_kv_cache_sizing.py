@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jpaged.kv_cache_sizing import (
+from jpaged.core.kv_cache_sizing import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     GIB,
     check_max_model_len_fits,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from engine_driver import run_requests
 
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
-from jpaged.llm import LLM
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.entrypoints.llm import LLM
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 

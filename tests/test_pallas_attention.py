@@ -22,10 +22,8 @@ import numpy as np
 import pytest
 from numpy_attention import ragged_paged_attention_numpy
 
-from jpaged.pallas import cpu_attention as cpu
-from jpaged.pallas import ragged_paged_attention as gpu
-from jpaged.pallas import ragged_paged_attention_tpu as tpu
-from jpaged.pallas import resolve_attention_impl
+from jpaged.pallas import gpu, resolve_attention_impl, tpu
+from jpaged.pallas.cpu import attention as cpu
 from jpaged.pallas.reference import ragged_paged_attention_reference
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
@@ -360,7 +358,7 @@ def test_without_a_working_compiler_the_cpu_kernels_fall_back_to_xla_with_a_warn
     """A fresh process (the kernel is built and registered once per process), an empty kernel cache."""
     program = (
         "import jax.numpy as jnp\n"
-        "from jpaged.pallas import cpu_matmul, resolve_attention_impl\n"
+        "from jpaged.pallas import resolve_attention_impl\nfrom jpaged.pallas.cpu import matmul as cpu_matmul\n"
         "print(resolve_attention_impl('auto', head_dim=64, dtype=jnp.float32, backend='cpu'))\n"
         "print(cpu_matmul.supports(jnp.float32))\n"
     )

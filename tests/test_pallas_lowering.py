@@ -16,8 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jpaged.pallas import ragged_paged_attention as gpu
-from jpaged.pallas import ragged_paged_attention_tpu as tpu
+from jpaged.pallas import gpu, tpu
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # Pallas-Triton's custom call: no export compatibility guarantee
 MOSAIC_TPU_CALL = "tpu_custom_call"  # stable, exportable without disabling any check

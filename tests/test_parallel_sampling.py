@@ -9,8 +9,8 @@ from conftest import hf_logits
 from engine_driver import run_requests
 
 from jpaged.config import EngineConfig
-from jpaged.detokenizer import REPLACEMENT_CHAR
-from jpaged.engine import LLMEngine
+from jpaged.engine.detokenizer import REPLACEMENT_CHAR
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.sampling_params import SamplingParams
 
 LONG_PROMPT = [(5 * i * i + 17 * i + 3) % 49152 for i in range(100)]  # 6 full blocks and 4 tokens of a 7th

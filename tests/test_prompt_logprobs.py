@@ -8,7 +8,7 @@ import pytest
 from conftest import hf_logits
 
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.sampling_params import SamplingParams
 
 PROMPT = [(7 * i * i + 3 * i + 11) % 49152 for i in range(70)]  # 4 full blocks and a partial one

@@ -7,16 +7,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jpaged.sampler import (
-    SamplingRow,
+from jpaged.runner.sampler import (
     _candidate_threshold,
     _LogWeights,
     _top_k_top_p_threshold,
     apply_penalties,
-    build_sampling_tensors,
-    logprobs_bucket,
     sample,
 )
+from jpaged.runner.sampling_inputs import SamplingRow, build_sampling_tensors, logprobs_bucket
 from jpaged.sampling_params import SamplingParams
 
 V = 1024  # several blocks of the two-level draw, and more than the first top_k/top_p candidate tier
@@ -206,7 +204,7 @@ def test_logprobs_are_log_softmax_of_raw_logits_with_top_k_and_rank():
     logits = np.random.default_rng(4).normal(size=(8, V)).astype(np.float32)
     params = SamplingParams(temperature=0.5, frequency_penalty=1.0, logprobs=3)
     rows = _rows(params, 8, outputs=[1, 2])
-    num_logprobs = logprobs_bucket(rows)
+    num_logprobs = logprobs_bucket(r.params.logprobs for r in rows)
     assert num_logprobs == 5
     out, _ = _run(rows, logits, num_logprobs=num_logprobs)
     raw = np.asarray(jax.nn.log_softmax(logits.astype(np.float64), axis=-1))
@@ -221,11 +219,11 @@ def test_logprobs_are_log_softmax_of_raw_logits_with_top_k_and_rank():
 
 def test_no_logprobs_asked_returns_none():
     rows = _rows(SamplingParams(), 2)
-    assert logprobs_bucket(rows) is None
+    assert logprobs_bucket(r.params.logprobs for r in rows) is None
     out, _ = _run(rows, LOGITS, num_logprobs=None)
     assert out.logprobs is None and out.sampled_rank is None
-    assert logprobs_bucket(_rows(SamplingParams(logprobs=0), 1)) == 0
-    assert logprobs_bucket(_rows(SamplingParams(logprobs=6), 1)) == 20
+    assert logprobs_bucket([0]) == 0
+    assert logprobs_bucket([6]) == 20
 
 
 def test_allowed_token_ids_restrict_only_their_row():

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from jpaged.block_manager import BlockManager
 from jpaged.config import EngineConfig
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.sequence import Request, SequenceState, SequenceStatus
 from jpaged.sampling_params import SamplingParams
-from jpaged.scheduler import Scheduler
-from jpaged.sequence import Request, Sequence, SequenceStatus
 
 
 def make(num_blocks: int = 64, **config) -> Scheduler:
@@ -14,11 +14,11 @@ def make(num_blocks: int = 64, **config) -> Scheduler:
     return Scheduler(config, BlockManager(num_blocks, config.block_size))
 
 
-def request(seq_id: int, prompt_len: int, n: int = 1) -> Sequence:
+def request(seq_id: int, prompt_len: int, n: int = 1) -> SequenceState:
     params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0)
     prompt = [seq_id * 1000 + i for i in range(prompt_len)]
     req = Request(f"r{seq_id}", None, prompt, params, seed=0, arrival_time=0.0)
-    seq = Sequence(seq_id, req, list(prompt))
+    seq = SequenceState(seq_id, req, list(prompt))
     req.seqs.append(seq)
     return seq
 

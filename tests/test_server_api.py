@@ -5,11 +5,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from jpaged_server.api_server import build_app
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
 from jpaged.config import EngineConfig
-from server.api_server import build_app
-from server.testing import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
 MODEL = "tiny-smollm2"
 PROMPT = "Hello there, how"  # a few tokens: prefill and decode share the smallest step shape

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from jpaged_server.api_server import build_app
+from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
 from jpaged.config import EngineConfig
-from server.api_server import build_app
-from server.testing import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
 MODEL = "tiny-smollm2"
 API_KEY = "test-secret"

@@ -9,10 +9,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jpaged_server.api_server import build_app
+from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
 from jpaged.config import EngineConfig
-from server.api_server import build_app
-from server.testing import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
 ODD = [
     None,

@@ -12,10 +12,10 @@ import time
 
 import httpx
 import pytest
+from jpaged_server.api_server import build_app
+from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
 from jpaged.config import EngineConfig
-from server.api_server import build_app
-from server.testing import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
 MODEL = "tiny-smollm2"
 LONG = {
@@ -148,7 +148,7 @@ def free_port() -> int:
 
 def test_jpaged_serve_exits_zero_on_sigterm(tiny_model_dir):
     port = free_port()
-    command = [sys.executable, "-m", "jpaged.cli", "--log-level", "WARNING", "serve"]
+    command = [sys.executable, "-m", "jpaged.entrypoints.cli", "--log-level", "WARNING", "serve"]
     command += [str(tiny_model_dir("smollm2_tied")), "--port", str(port), "--served-model-name", MODEL]
     command += ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
     command += ["--num-blocks", "128", "--enforce-eager"]

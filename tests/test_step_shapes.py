@@ -2,7 +2,7 @@
 
 import pytest
 
-from jpaged.step_shapes import StepShapes, ladder
+from jpaged.runner.step_shapes import StepShapes, ladder
 
 DEFAULT = StepShapes(max_num_batched_tokens=512, max_num_seqs=64)
 

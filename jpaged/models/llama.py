@@ -11,24 +11,22 @@ layer, not thirty; q/k/v and gate/up fused so each is one matmul):
 KV cache: (k, v), each [L, N, B, Hk, Dh]; the step writes its new K/V through `slot_mapping` and attends through
 `block_tables`. Both are donated by the caller, so the scatter updates them in place.
 
-On CPU the runner hands `forward` the layout of `device_params`: the four big matrices of each layer stacked as
-panels of 16 columns for the C++ matmul kernel (jpaged/pallas/cpu_matmul.py), which reads a layer's matrix in place
-in the stack and computes only the step's real rows; the LM head as panels too (scripts/bench_matmul.py times it
-against XLA's dots). Accelerators, and a CPU where the kernel cannot be built, keep the stacked slices.
+Attention and the matrix products are injected: `forward` knows no kernel and no weight layout. The runner passes
+the attention callable for its backend and a `MatrixProducts` for the layout it keeps the weights in (the stacks
+above, `StackedProducts`, unless it chose another, e.g. the CPU kernel's panels).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jpaged.models.config import ModelConfig
-from jpaged.pallas import cpu_matmul
 
 
 class StepBatch(NamedTuple):
@@ -45,21 +43,46 @@ class StepBatch(NamedTuple):
     num_logits: jax.Array  # [1] rows of logits_indices in use (the rest is padding: its logits may be zero)
 
 
-LAYER_MATRICES = ("w_qkv", "wo", "w_gate_up", "w_down")
+class MatrixProducts(Protocol):
+    """How the model multiplies by its weights, for one layout of the params. `rows` is how many leading rows of
+    x are live (the rest is padding, which a layout may skip and leave zero)."""
+
+    def layout(self, params: dict) -> dict:
+        """The loaders' params rearranged as these products read them (done once, before the steps)."""
+        ...
+
+    def embed(self, params: dict, token_ids: jax.Array) -> jax.Array: ...
+
+    def layer(
+        self, params: dict, layer_params: dict, name: str, layer: jax.Array, x: jax.Array, rows: jax.Array
+    ) -> jax.Array:
+        """x @ layer `layer`'s matrix `name` (w_qkv, wo, w_gate_up, w_down); `layer_params` is that layer's
+        slice of params["layers"]."""
+        ...
+
+    def lm_head(self, params: dict, h: jax.Array, rows: jax.Array) -> jax.Array:
+        """float32 logits [R, V] of the final hidden states h [R, D]."""
+        ...
 
 
-def device_params(params: dict) -> dict:
-    """Params as the CPU kernels read them: each layer matrix's stack as panels [L, P, K, 16] (cpu_matmul.pack)
-    under "panels", and the LM head's under "lm_head_panels"; a tied embedding is then read from the LM head's
-    panels, so the vocabulary matrix is held once. The small per-layer vectors stay stacked under "layers"."""
-    layers = dict(params["layers"])
-    panels = {name: cpu_matmul.pack(layers.pop(name)) for name in LAYER_MATRICES}
-    tied = "lm_head" not in params
-    head = cpu_matmul.pack(params["embed"].T if tied else params["lm_head"])
-    kept = {
-        key: value for key, value in params.items() if key not in ("layers", "lm_head") + tied * ("embed",)
-    }
-    return {**kept, "layers": layers, "panels": panels, "lm_head_panels": head}
+class StackedProducts:
+    """XLA's dots on the params as the loaders build them (layer matrices stacked, sliced per layer by the scan)."""
+
+    def layout(self, params: dict) -> dict:
+        return params
+
+    def embed(self, params: dict, token_ids: jax.Array) -> jax.Array:
+        return params["embed"][token_ids]
+
+    def layer(self, params, layer_params, name, layer, x, rows) -> jax.Array:
+        return x @ layer_params[name]
+
+    def lm_head(self, params: dict, h: jax.Array, rows: jax.Array) -> jax.Array:
+        lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
+        return jnp.dot(h, lm_head, preferred_element_type=jnp.float32)
+
+
+STACKED = StackedProducts()
 
 
 class KVCache(NamedTuple):
@@ -116,6 +139,7 @@ def forward(
     *,
     config: ModelConfig,
     attention: Callable,
+    products: MatrixProducts = STACKED,
 ) -> tuple[jax.Array, KVCache]:
     """Run the step's tokens through the model; returns (float32 logits [R, V], updated cache)."""
     c = config
@@ -129,20 +153,10 @@ def forward(
     cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
     write_block, write_offset = batch.slot_mapping // block_size, batch.slot_mapping % block_size
 
-    panels = params.get("panels")
-    widths = {
-        "w_qkv": q_size + 2 * kv_size,
-        "wo": c.hidden_size,
-        "w_gate_up": 2 * c.intermediate_size,
-        "w_down": c.hidden_size,
-    }
     live_tokens = batch.query_start[batch.num_seqs[0]]
 
     def matmul(name: str, lp: dict, index: jax.Array, x: jax.Array) -> jax.Array:
-        """x @ this layer's matrix `name`: a slice of the stack, or read in its panels (see device_params)."""
-        if panels is None:
-            return x @ lp[name]
-        return cpu_matmul.matmul(x, panels[name], widths[name], layer=index, rows=live_tokens)
+        return products.layer(params, lp, name, index, x, live_tokens)
 
     def layer(carry, xs):
         x, k_cache, v_cache = carry
@@ -178,18 +192,9 @@ def forward(
         x = x + matmul("w_down", lp, index, jax.nn.silu(gate) * up)
         return (x, k_cache, v_cache), None
 
-    if "embed" in params:
-        x = params["embed"][batch.token_ids]
-    else:
-        x = cpu_matmul.columns(params["lm_head_panels"], batch.token_ids)
+    x = products.embed(params, batch.token_ids)
     layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
     (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (params["layers"], layer_ids))
     h = _rms_norm(x[batch.logits_indices], params["final_norm"], c.rms_norm_eps)
-    if panels is None:
-        lm_head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
-        logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32)
-    else:
-        logits = cpu_matmul.matmul(
-            h, params["lm_head_panels"], c.vocab_size, rows=batch.num_logits[0], out_dtype=jnp.float32
-        )
+    logits = products.lm_head(params, h, batch.num_logits[0])
     return logits, KVCache(k_cache, v_cache)

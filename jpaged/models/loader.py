@@ -15,14 +15,14 @@ import jax
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from jpaged.default_model import default_model_path
+from jpaged.engine.tokenizer import eos_token_ids, load_tokenizer
 from jpaged.models.checkpoint import ORBAX_MARKER, restore_checkpoint
 from jpaged.models.config import ModelConfig
+from jpaged.models.default_model import default_model_path
 from jpaged.models.gguf_cache import load_converted, store_converted
 from jpaged.models.gguf_metadata import gguf_model_config, gguf_tokenizer, read_gguf_fields
 from jpaged.models.params import param_stats, params_from_hf_names
 from jpaged.models.weights import gguf_reader, read_hf_config, safetensors_reader
-from jpaged.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

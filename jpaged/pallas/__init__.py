@@ -1,11 +1,12 @@
-"""Ragged paged attention: the XLA reference and the Pallas kernels behind one call.
+"""Ragged paged attention: the XLA reference and the kernels behind one call.
 
-Every implementation answers `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start,
-num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None, interpret=False)` (see reference.py for shapes).
-Implementations: `reference` (XLA), `pallas` (GPU/TPU kernels; interpret mode on CPU, for tests) and `cpu` (a C++
-kernel called through XLA's FFI, built on first use; see cpu_attention.py). The model calls the *stacked* form,
+`ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, sm_scale,
+sliding_window=None, logits_soft_cap=None, interpret=False, impl="auto")` is the entry point: the same contract on
+every backend (shapes in reference.py), dispatched by backend and `impl`. Implementations: `reference` (XLA),
+`pallas` (the GPU kernel, gpu.py, or the TPU kernel, tpu.py; interpret mode on CPU, for tests) and `cpu` (C++
+kernels called through XLA's FFI, built on first use; cpu/). The model calls the *stacked* form,
 `fn(q, k_cache, v_cache, layer, ...)` over a cache `[L, N, B, Hk, D]`, which `get_attention_fn` builds for the
-chosen implementation.
+chosen implementation; common.py holds what the kernels share.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from collections.abc import Callable
 
 import jax
 
-from jpaged.pallas import cpu_attention, cpu_library
+from jpaged.config import ATTENTION_IMPLS
+from jpaged.pallas.common import over_pages
+from jpaged.pallas.cpu import attention as cpu_attention
+from jpaged.pallas.cpu import library as cpu_library
 from jpaged.pallas.reference import paged_attention_stacked, ragged_paged_attention_reference
-
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ATTENTION_IMPLS",
     "get_attention_fn",
+    "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "resolve_attention_impl",
 ]
@@ -58,16 +60,17 @@ def resolve_attention_impl(impl: str, *, head_dim: int, dtype, backend: str | No
 def _pallas_kernel(backend: str) -> Callable:
     """The stacked-cache kernel: it reads the layer inside the kernel, so no layer of the pool is copied."""
     if backend == "tpu":
-        from jpaged.pallas.ragged_paged_attention_tpu import ragged_paged_attention_stacked
+        from jpaged.pallas.tpu import ragged_paged_attention_stacked
     else:
-        from jpaged.pallas.ragged_paged_attention import ragged_paged_attention_stacked
+        from jpaged.pallas.gpu import ragged_paged_attention_stacked
     return ragged_paged_attention_stacked
 
 
 def get_attention_fn(
-    impl: str = "auto", *, num_kv_heads: int, block_size: int, head_dim: int, dtype
+    impl: str = "auto", *, num_kv_heads: int, block_size: int, head_dim: int, dtype, interpret: bool = False
 ) -> Callable:
-    """The stacked-cache attention callable for `impl` on the current backend and this cache layout."""
+    """The stacked-cache attention callable for `impl` on the current backend and this cache layout; `interpret`
+    runs a Pallas kernel in interpret mode (it always does on CPU)."""
     backend = jax.default_backend()
     impl = resolve_attention_impl(impl, head_dim=head_dim, dtype=dtype, backend=backend)
     if impl == "reference":
@@ -75,7 +78,7 @@ def get_attention_fn(
     if impl == "cpu":
         return cpu_attention.ragged_paged_attention_stacked
     if backend == "tpu":
-        from jpaged.pallas.ragged_paged_attention_tpu import check_tpu_layout
+        from jpaged.pallas.tpu import check_tpu_layout
 
         try:
             check_tpu_layout(num_kv_heads, block_size, head_dim, dtype)
@@ -84,4 +87,45 @@ def get_attention_fn(
                 raise
             logger.warning("TPU kernel cannot lay out this cache (%s); using the XLA reference", err)
             return paged_attention_stacked
-    return functools.partial(_pallas_kernel(backend), interpret=backend == "cpu")
+    return functools.partial(_pallas_kernel(backend), interpret=interpret or backend == "cpu")
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    interpret: bool = False,
+    impl: str = "auto",
+) -> jax.Array:
+    """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]` with `impl` on this backend; returns [T, Hq, D]."""
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [N, B, Hk, D], got shape {k_pages.shape}")
+    _, block_size, num_kv_heads, head_dim = k_pages.shape
+    stacked = get_attention_fn(
+        impl,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        head_dim=head_dim,
+        dtype=k_pages.dtype,
+        interpret=interpret,
+    )
+    return over_pages(stacked)(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        query_start,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )

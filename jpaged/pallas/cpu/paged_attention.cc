@@ -1,4 +1,4 @@
-// Ragged paged attention for the CPU, as an XLA FFI custom call (see cpu_attention.py for the build and the
+// Ragged paged attention for the CPU, as an XLA FFI custom call (see attention.py for the build and the
 // contract, which is the same as reference.py's).
 //
 // Why it exists: in XLA the attention of a decode step gathers every sequence's pages into a fresh array and
@@ -9,7 +9,7 @@
 #include <cmath>
 #include <vector>
 
-#include "cpu_kernel.h"
+#include "kernel.h"
 
 namespace {
 

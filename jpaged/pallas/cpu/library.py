@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (cpu_paged_attention.cc, cpu_matmul.cc) as one shared library, built on first use and
+"""The C++ CPU kernels (paged_attention.cc, matmul.cc) as one shared library, built on first use and
 registered with XLA as FFI targets.
 
 It is compiled with the machine's C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib ships, for this
@@ -25,15 +25,15 @@ import jaxlib
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_paged_attention.cc", _HERE / "cpu_matmul.cc")
-HEADERS = (_HERE / "cpu_kernel.h",)
+SOURCES = (_HERE / "paged_attention.cc", _HERE / "matmul.cc")
+HEADERS = (_HERE / "kernel.h",)
 # FFI target name -> exported handler symbol
 TARGETS = {
     "jpaged_paged_attention": "JpagedPagedAttention",
     "jpaged_uninitialized": "JpagedUninitialized",
     "jpaged_matmul": "JpagedMatmul",
 }
-# What the kernels compute on (cpu_kernel.h converts bfloat16 to and from float32; float16 is not handled).
+# What the kernels compute on (kernel.h converts bfloat16 to and from float32; float16 is not handled).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17")
 

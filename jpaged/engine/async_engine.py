@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
 

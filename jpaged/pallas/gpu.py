@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-_NEG = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
-SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+from jpaged.pallas.common import NEG_INF, check_inputs, find_tile_sequence, over_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,56 +50,6 @@ def choose_tiling(num_tokens: int, num_seq_slots: int, group: int) -> GpuTiling:
     if group > tiling.rows:  # a tile must hold at least one token's whole GQA group
         tiling = dataclasses.replace(tiling, rows=pl.next_power_of_2(group))
     return tiling
-
-
-def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, sliding_window, soft_cap):
-    """Static checks shared by the GPU and TPU kernels; raises ValueError naming the field."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
-    if k_pages.ndim not in (4, 5) or k_pages.shape[-1] != q.shape[-1]:
-        raise ValueError(
-            f"k_pages must be [(L,) N, B, Hk, D] with D={q.shape[-1]}, got shape {k_pages.shape}"
-        )
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(
-            f"k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must equal q dtype {q.dtype}"
-        )
-    if q.shape[1] % k_pages.shape[-2]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k_pages heads ({k_pages.shape[-2]})")
-    num_seq_slots = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
-    for name, array, shape in (
-        ("kv_lens", kv_lens, (num_seq_slots,)),
-        ("block_tables", block_tables, (num_seq_slots, block_tables.shape[-1])),
-        ("query_start", query_start, (num_seq_slots + 1,)),
-        ("num_seqs", num_seqs, (1,)),
-    ):
-        if array.shape != shape or array.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32{list(shape)}, got {array.dtype}{list(array.shape)}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    if soft_cap is not None and soft_cap <= 0:
-        raise ValueError(f"logits_soft_cap must be positive, got {soft_cap}")
-
-
-def find_tile_sequence(query_start_ref, tile, num_seqs, tile_tokens: int, search_steps: int):
-    """Largest s < num_seqs whose first tile (`query_start[s] // tile_tokens + s`) is <= `tile`.
-
-    A binary search over `query_start` read from kernel memory; `lax.div` rather than `//` because the
-    operands are non-negative and Mosaic lowers floor division through a sign op it cannot lower off-TPU.
-    """
-
-    def step(_, bounds):
-        lo, hi = bounds
-        mid = lax.div(lo + hi + 1, 2)
-        owns = lax.div(query_start_ref[mid], tile_tokens) + mid <= tile
-        return jnp.where(owns, mid, lo), jnp.where(owns, hi, mid - 1)
-
-    lo, _ = lax.fori_loop(0, search_steps, step, (jnp.int32(0), num_seqs - 1))
-    return lo
 
 
 def _kernel(
@@ -186,7 +134,7 @@ def _kernel(
             visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
             if sliding_window is not None:
                 visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
-            scores = jnp.where(visible, scores, _NEG)
+            scores = jnp.where(visible, scores, NEG_INF)
             m_new = jnp.maximum(m, jnp.max(scores, axis=1))
             p = jnp.where(visible, jnp.exp(scores - m_new[:, None]), 0.0)
             correction = jnp.exp(m - m_new)
@@ -201,7 +149,7 @@ def _kernel(
             return m_new, denom, acc * correction[:, None] + pv
 
         init = (
-            jnp.full((rows,), _NEG, jnp.float32),
+            jnp.full((rows,), NEG_INF, jnp.float32),
             jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, lanes), jnp.float32),
         )
@@ -271,19 +219,6 @@ def ragged_paged_attention_stacked(
         name="ragged_paged_attention",
     )(*metadata, padded_q, k_cache, v_cache, jnp.zeros_like(padded_q))
     return out[:num_tokens]
-
-
-def over_pages(stacked: Callable) -> Callable:
-    """The pages form of a stacked-cache kernel, `fn(q, k_pages, v_pages, kv_lens, block_tables, query_start,
-    num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None, interpret=False)`: the cache as one layer."""
-
-    def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *metadata, **options):
-        """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]` (contract in jpaged.pallas); returns [T, Hq, D]."""
-        if k_pages.ndim != 4:
-            raise ValueError(f"k_pages must be [N, B, Hk, D], got shape {k_pages.shape}")
-        return stacked(q, k_pages[None], v_pages[None], jnp.zeros((1,), jnp.int32), *metadata, **options)
-
-    return ragged_paged_attention
 
 
 ragged_paged_attention = over_pages(ragged_paged_attention_stacked)

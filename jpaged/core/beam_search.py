@@ -16,32 +16,10 @@ ended candidate and never stops early); we follow transformers so the two can be
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from jpaged.sampling_params import MAX_LOGPROBS, SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class BeamSearchParams:
-    """A beam search request (vLLM's BeamSearchParams subset); the search itself is deterministic."""
-
-    beam_width: int
-    max_tokens: int = 16
-    length_penalty: float = 1.0
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("beam_width", "max_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        penalty = self.length_penalty
-        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {penalty!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+from jpaged.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 
 @dataclass(slots=True)

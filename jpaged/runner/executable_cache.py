@@ -23,7 +23,7 @@ import jaxlib
 
 logger = logging.getLogger(__name__)
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # all of jpaged
 
 
 def environment_fingerprint() -> str:

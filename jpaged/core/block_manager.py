@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jpaged.block_pool import BlockHash, BlockPool, hash_block_tokens
+from jpaged.core.block_pool import BlockHash, BlockPool, hash_block_tokens
 
 
 @dataclass(slots=True)

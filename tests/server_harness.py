@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI
+from jpaged_server.lifecycle import GracefulServer
 
-from jpaged.async_engine import AsyncLLMEngine
 from jpaged.config import EngineConfig
-from server.lifecycle import GracefulServer
+from jpaged.engine.async_engine import AsyncLLMEngine
 
 # Limits small enough that a tiny model serves API tests in milliseconds per step and few step shapes compile.
 SMALL_ENGINE_ARGS = dict(

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from jpaged.beam_search import BeamSearch
+from jpaged.core.beam_search import BeamSearch
 from jpaged.outputs import Logprob
 from jpaged.sampling_params import SamplingParams
 
@@ -30,7 +30,7 @@ class Request:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[SequenceState] = field(default_factory=list)
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_cached_tokens: int = 0
@@ -53,7 +53,7 @@ class Request:
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
+class SequenceState:
     """Token ids (prompt then output) and how many of them are in the KV cache."""
 
     seq_id: int

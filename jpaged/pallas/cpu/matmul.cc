@@ -1,4 +1,4 @@
-// The model's matrix products on the CPU, as an XLA FFI custom call (see cpu_matmul.py for the layout and the
+// The model's matrix products on the CPU, as an XLA FFI custom call (see matmul.py for the layout and the
 // contract): out[m, n] = sum_k x[m, k] * w[k, n] for the first `rows` rows of x, with w given as panels of 16
 // columns, [L, P, K, 16], one layer of a stack picked by index.
 //
@@ -9,7 +9,7 @@
 // number of rows, so a row's result does not depend on what else is in the batch.
 #include <vector>
 
-#include "cpu_kernel.h"
+#include "kernel.h"
 
 namespace {
 

@@ -11,12 +11,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jpaged.detokenizer import IncrementalDetokenizer, decode_output
+from jpaged.core.sequence import Request, SequenceState
+from jpaged.engine.detokenizer import IncrementalDetokenizer, decode_output
 from jpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jpaged.sampler import SamplerOutput
+from jpaged.runner.sampling_inputs import SamplerOutput
 from jpaged.sampling_params import RequestOutputKind
-from jpaged.sequence import Request
-from jpaged.sequence import Sequence as Seq
 
 
 class OutputProcessor:
@@ -25,7 +24,7 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def attach(self, seq: Seq) -> None:
+    def attach(self, seq: SequenceState) -> None:
         """Give a new sequence its incremental detokeniser when its text is read (streamed, or searched for stop
         strings) before it finishes; a fork continues from a fresh one fed its parent's tokens."""
         params = seq.request.params
@@ -35,8 +34,12 @@ class OutputProcessor:
                 seq.text = seq.detokenizer.add_tokens(seq.output_token_ids)
 
     def append_tokens(
-        self, seqs: Sequence[Seq], tokens: Sequence[int], now: float, result: SamplerOutput | None = None
-    ) -> list[Seq]:
+        self,
+        seqs: Sequence[SequenceState],
+        tokens: Sequence[int],
+        now: float,
+        result: SamplerOutput | None = None,
+    ) -> list[SequenceState]:
         """Append row i's token to seqs[i] and apply the stop rules; returns the sequences that finished.
 
         Rows of beam searches are skipped (their tokens are the search's to place). `result` supplies logprobs
@@ -79,7 +82,7 @@ class OutputProcessor:
                 finished.append(seq)
         return finished
 
-    def _append_logprobs(self, seq: Seq, result: SamplerOutput, row: int) -> None:
+    def _append_logprobs(self, seq: SequenceState, result: SamplerOutput, row: int) -> None:
         seq.logprobs.append(
             self._logprobs_entry(
                 result.logprob_token_ids[row],
@@ -90,7 +93,7 @@ class OutputProcessor:
         )
         seq.cumulative_logprob += float(result.logprobs[row, 0])
 
-    def abort(self, seq: Seq) -> None:
+    def abort(self, seq: SequenceState) -> None:
         """End a sequence that has not finished with finish_reason 'abort'. Its text is what was streamed: an
         incremental detokeniser keeps what it held back; a deferred one decodes what there is."""
         if seq.finish_reason is None:
@@ -98,7 +101,7 @@ class OutputProcessor:
             if seq.detokenizer is None:
                 self._finish_text(seq)
 
-    def _finish_text(self, seq: Seq) -> None:
+    def _finish_text(self, seq: SequenceState) -> None:
         params = seq.request.params
         if seq.detokenizer is not None:
             seq.text += seq.detokenizer.finish()

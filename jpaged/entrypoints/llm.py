@@ -7,12 +7,11 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from jpaged.beam_search import BeamSearchParams
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.tokenizer import apply_chat_template
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
-from jpaged.tokenizer import apply_chat_template
+from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | Sequence[int]
 

@@ -27,9 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jpaged.pallas.ragged_paged_attention import check_inputs, find_tile_sequence, over_pages
+from jpaged.pallas.common import NEG_INF, check_inputs, find_tile_sequence, over_pages
 
-_NEG = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
 _LANES = 128
 DECODE_TILE_TOKENS = 8
 PREFILL_TILE_TOKENS = 32
@@ -176,7 +175,7 @@ def _kernel(
 
         for copy in kv_copies(0, 0):
             copy.start()
-        m_ref[...] = jnp.full(m_ref.shape, _NEG, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         q_copy.wait()
@@ -222,7 +221,7 @@ def _kernel(
                 )
                 if soft_cap is not None:
                     scores = soft_cap * jnp.tanh(scores / soft_cap)
-                scores = jnp.where(visible, scores, _NEG)
+                scores = jnp.where(visible, scores, NEG_INF)
                 m_prev, l_prev = m_ref[h], l_ref[h]  # [R, 128], lane-replicated
                 m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
                 p = jnp.where(visible, jnp.exp(scores - _lanes(m_new, kv_tokens)), 0.0)

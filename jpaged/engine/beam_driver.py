@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
-from jpaged.beam_search import BeamSearch, BeamSearchParams
 from jpaged.config import EngineConfig
-from jpaged.sampler import SamplerOutput
-from jpaged.sequence import Request, SequenceStatus
-from jpaged.sequence import Sequence as Seq
+from jpaged.core.beam_search import BeamSearch
+from jpaged.core.sequence import Request, SequenceState, SequenceStatus
+from jpaged.runner.sampling_inputs import SamplerOutput
+from jpaged.sampling_params import BeamSearchParams
 
 
 class BeamDriver:
@@ -27,9 +27,9 @@ class BeamDriver:
         max_model_len: int,
         num_total_blocks: int,
         *,
-        fork: Callable[[Seq], Seq],
-        requeue: Callable[[Seq], None],
-        finish: Callable[[Seq], None],
+        fork: Callable[[SequenceState], SequenceState],
+        requeue: Callable[[SequenceState], None],
+        finish: Callable[[SequenceState], None],
     ) -> None:
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
@@ -54,12 +54,14 @@ class BeamDriver:
             )
         return search
 
-    def keep_in_lockstep(self, seqs: list[Seq], num_new_tokens: list[int]) -> tuple[list[Seq], list[int]]:
+    def keep_in_lockstep(
+        self, seqs: list[SequenceState], num_new_tokens: list[int]
+    ) -> tuple[list[SequenceState], list[int]]:
         """The beams of a request are chosen together, so a beam samples only in a step where all its live
         siblings sample. A split step holds the sampling ones back; when a sibling is out of the running set
         (preempted), the running ones go back to waiting too, so the blocks they hold can bring it back
         (their full blocks stay cached, so the recompute is short)."""
-        sampling: dict[Request, list[Seq]] = defaultdict(list)
+        sampling: dict[Request, list[SequenceState]] = defaultdict(list)
         for seq, num_new in zip(seqs, num_new_tokens, strict=True):
             if seq.request.beam is not None and seq.num_computed_tokens + num_new == seq.num_tokens:
                 sampling[seq.request].append(seq)
@@ -76,10 +78,10 @@ class BeamDriver:
         kept = [i for i, seq in enumerate(seqs) if seq.seq_id not in dropped]
         return [seqs[i] for i in kept], [num_new_tokens[i] for i in kept]
 
-    def advance(self, targets: list[Seq], result: SamplerOutput, now: float) -> dict[str, Request]:
+    def advance(self, targets: list[SequenceState], result: SamplerOutput, now: float) -> dict[str, Request]:
         """Hand each beam search its rows' top candidates (row i of `result` is `targets[i]`'s); returns the
         searches that advanced, by request id."""
-        proposals: dict[Request, dict[Seq, list[tuple[int, float]]]] = defaultdict(dict)
+        proposals: dict[Request, dict[SequenceState, list[tuple[int, float]]]] = defaultdict(dict)
         for row, seq in enumerate(targets):
             if seq.request.beam is not None:
                 k = seq.request.beam.num_candidates

@@ -1,4 +1,4 @@
-"""The model's matrix products on the CPU through a C++ kernel (cpu_matmul.cc), called as an XLA FFI custom call.
+"""The model's matrix products on the CPU through a C++ kernel (matmul.cc), called as an XLA FFI custom call.
 
 A weight matrix w [K, N] ([in, out]) is stored as panels of 16 columns, `pack(w)` [P, K, 16] (P = ceil(N / 16),
 the last panel zero-padded), each panel contiguous, so a step streams it from memory once while a 6 x 16 block of
@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jpaged.pallas import cpu_library
+from jpaged.pallas.cpu import library
 
 PANEL = 16
 _TARGET = "jpaged_matmul"
@@ -24,7 +24,7 @@ _TARGET = "jpaged_matmul"
 
 def supports(dtype) -> bool:
     """Whether the kernel takes weights of `dtype` here (building it the first time)."""
-    return jnp.dtype(dtype) in cpu_library.SUPPORTED_DTYPES and cpu_library.available()
+    return jnp.dtype(dtype) in library.SUPPORTED_DTYPES and library.available()
 
 
 @jax.jit
@@ -51,12 +51,12 @@ def matmul(
 ) -> jax.Array:
     """x [M, K] @ w [K, n] from w's panels ([P, K, 16], or [L, P, K, 16] with `layer` picking one), summed in
     float32 and returned as `out_dtype` (x's, or float32); rows past `rows` (default M) come back zero."""
-    cpu_library.require()
+    library.require()
     if panels.ndim == 3:
         panels = panels[None]
     if x.ndim != 2 or panels.ndim != 4 or panels.shape[2] != x.shape[1] or panels.shape[1] != -(-n // PANEL):
         raise ValueError(f"x {x.shape} and panels {panels.shape} do not make an [M, {n}] product")
-    if x.dtype != panels.dtype or jnp.dtype(x.dtype) not in cpu_library.SUPPORTED_DTYPES:
+    if x.dtype != panels.dtype or jnp.dtype(x.dtype) not in library.SUPPORTED_DTYPES:
         raise ValueError(f"x and panels must both be float32 or bfloat16, got {x.dtype} and {panels.dtype}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):

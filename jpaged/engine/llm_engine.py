@@ -9,26 +9,30 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jpaged.beam_driver import BeamDriver
-from jpaged.beam_search import BeamSearch, BeamSearchParams
-from jpaged.block_manager import BlockManager
 from jpaged.config import EngineConfig
-from jpaged.kv_cache_sizing import (
+from jpaged.core.beam_search import BeamSearch
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.kv_cache_sizing import (
     check_max_model_len_fits,
     configure_accelerator_allocator,
     determine_num_blocks,
     kv_bytes_per_token,
     startup_summary,
 )
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.sequence import Request, SequenceState
+from jpaged.engine.beam_driver import BeamDriver
+from jpaged.engine.output_processor import OutputProcessor
+from jpaged.engine.step_sampling import (
+    StepSampling,
+    has_static_sampling,
+    is_plain_greedy,
+    sample_seed_for,
+)
 from jpaged.models.loader import LoadedModel, load_model
-from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
-from jpaged.sampler import LOGPROB_BUCKETS, SamplerOutput
-from jpaged.sampling_params import RequestOutputKind, SamplingParams, tokenize_bad_words
-from jpaged.scheduler import Scheduler
-from jpaged.sequence import Request
-from jpaged.sequence import Sequence as Seq
-from jpaged.step_sampling import StepSampling, has_static_sampling, is_plain_greedy, sample_seed_for
+from jpaged.runner.sampler import LOGPROB_BUCKETS, SamplerOutput
+from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, tokenize_bad_words
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class LLMEngine:
         stats = jax.devices()[0].memory_stats() if platform != "cpu" else None
         peak = 0
         if stats and config.num_blocks is None:
-            from jpaged.model_runner import activation_peak_bytes
+            from jpaged.runner.model_runner import activation_peak_bytes
 
             peak = activation_peak_bytes(config, mc, self.model.params, self.max_model_len)
         num_blocks = determine_num_blocks(
@@ -77,7 +81,7 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks
         )
         self.scheduler = Scheduler(config, self.blocks)
-        from jpaged.model_runner import ModelRunner
+        from jpaged.runner.model_runner import ModelRunner
 
         self.runner = ModelRunner(config, mc, self.model.params, num_blocks, self.max_model_len)
         self._host_k = self._host_v = None
@@ -237,14 +241,14 @@ class LLMEngine:
         return self._append_samples(row_seqs, result, now)
 
     def _sampled_rows(
-        self, seqs: list[Seq], num_new_tokens: list[int]
-    ) -> tuple[list[int], list[Seq], list[int], bool, bool]:
+        self, seqs: list[SequenceState], num_new_tokens: list[int]
+    ) -> tuple[list[int], list[SequenceState], list[int], bool, bool]:
         """One pass over the schedule: the scheduled index and sequence of every sampled row (a request's
         first token fans out to n rows), the scheduled indices that compute prompt logprobs, and whether every
         row has static sampling inputs, and is plain greedy (see Request). Counts the prompt tokens of requests
         getting their first token."""
         rows: list[int] = []
-        row_seqs: list[Seq] = []
+        row_seqs: list[SequenceState] = []
         prompt_seqs: list[int] = []
         all_static = all_plain = True
         for i, seq in enumerate(seqs):
@@ -266,7 +270,9 @@ class LLMEngine:
                     row_seqs.append(seq)
         return rows, row_seqs, prompt_seqs, all_static, all_plain
 
-    def _append_samples(self, row_seqs: list[Seq], result: SamplerOutput, now: float) -> list[RequestOutput]:
+    def _append_samples(
+        self, row_seqs: list[SequenceState], result: SamplerOutput, now: float
+    ) -> list[RequestOutput]:
         """Give each sampled row's token to its sequence, or to its beam search; returns the outputs due (every
         advanced request's but FINAL_ONLY ones and beam searches, which report once, when done) and forgets
         the requests that finished."""
@@ -302,7 +308,7 @@ class LLMEngine:
             self.requests.pop(request_id, None)
         return outputs
 
-    def _requeue(self, seq: Seq) -> None:
+    def _requeue(self, seq: SequenceState) -> None:
         """Recompute-preempt a running sequence: free its blocks and queue it as waiting."""
         self.scheduler.finish(seq)
         seq.num_computed_tokens = 0
@@ -316,7 +322,7 @@ class LLMEngine:
             self.runner.write_blocks([dst for _, dst in copies], k, v)
 
     @staticmethod
-    def _computes_prompt_logprobs(seq: Seq) -> bool:
+    def _computes_prompt_logprobs(seq: SequenceState) -> bool:
         return (
             seq.request.prompt_logprobs is not None
             and seq.index == 0
@@ -337,7 +343,7 @@ class LLMEngine:
             v = np.stack([v for _, v, _ in incoming], axis=1)
             self.runner.write_blocks([d for _, _, d in incoming], k, v)
 
-    def _fork(self, parent: Seq) -> Seq:
+    def _fork(self, parent: SequenceState) -> SequenceState:
         """A parallel sample: shares the parent's blocks (copy-on-write) and its progress."""
         child = self._new_seq(parent.request, list(parent.token_ids), index=len(parent.request.seqs))
         child.num_computed_tokens = parent.num_computed_tokens
@@ -347,9 +353,11 @@ class LLMEngine:
         self.scheduler.add_running(child)
         return child
 
-    def _new_seq(self, request: Request, token_ids: list[int], index: int) -> Seq:
+    def _new_seq(self, request: Request, token_ids: list[int], index: int) -> SequenceState:
         self._next_seq_id += 1
-        seq = Seq(self._next_seq_id, request, token_ids, index=index, seed=sample_seed_for(request, index))
+        seq = SequenceState(
+            self._next_seq_id, request, token_ids, index=index, seed=sample_seed_for(request, index)
+        )
         request.seqs.append(seq)
         return seq
 

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
-from jpaged.sampler import SamplingRow, SamplingTensors, build_sampling_tensors, logprobs_bucket
+from jpaged.core.sequence import Request, SequenceState
+from jpaged.runner.sampling_inputs import SamplingRow, SamplingTensors, logprobs_bucket
 from jpaged.sampling_params import SamplingParams
-from jpaged.sequence import Request
-from jpaged.sequence import Sequence as Seq
 
 
 def sample_seed_for(request: Request, index: int) -> int:
@@ -44,7 +41,7 @@ def is_plain_greedy(params: SamplingParams) -> bool:
     )
 
 
-def _row_seeds(row_seqs: list[Seq]) -> list[int]:
+def _row_seeds(row_seqs: list[SequenceState]) -> list[int]:
     """Each row's seed: its sequence's, and for the k-th extra row of a fan-out, that of sample index + k."""
     seeds, k = [], 0
     for row, seq in enumerate(row_seqs):
@@ -63,10 +60,10 @@ class StepSampling:
         self._eos_token_id = eos_token_id
         self._plain: dict[int, SamplingTensors] = {}  # inputs of plain greedy rows, by row count
         # The previous step's static rows and their inputs: (row_seqs, tensors, num_rows, num_logprobs).
-        self._static: tuple[list[Seq], SamplingTensors, int, int | None] | None = None
+        self._static: tuple[list[SequenceState], SamplingTensors, int, int | None] | None = None
 
     def inputs(
-        self, row_seqs: list[Seq], num_rows: int, all_static: bool, all_plain: bool
+        self, row_seqs: list[SequenceState], num_rows: int, all_static: bool, all_plain: bool
     ) -> tuple[SamplingTensors, int | None]:
         """The sampler's inputs for these rows (padded to `num_rows`), and the logprobs bucket."""
         if all_plain:
@@ -94,19 +91,6 @@ class StepSampling:
                 for seq, seed in zip(row_seqs, _row_seeds(row_seqs), strict=True)
             ]
             tensors = self._build(sampling_rows, num_rows)
-            num_logprobs = logprobs_bucket(sampling_rows)
+            num_logprobs = logprobs_bucket(row.params.logprobs for row in sampling_rows)
         self._static = (row_seqs, tensors, num_rows, num_logprobs) if all_static else None
         return tensors, num_logprobs
-
-
-def step_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int) -> SamplingTensors:
-    """Per-row sampling arrays, always with keys and top-k/top-p (an all-greedy batch skips the draw on
-    device), so greedy and sampled batches share one compiled program per shape."""
-    tensors = build_sampling_tensors(rows, num_rows, vocab_size)
-    if tensors.keys is None:
-        tensors = tensors._replace(
-            keys=np.zeros((num_rows, 2), np.uint32), steps=np.zeros(num_rows, np.int32)
-        )
-    if tensors.top_k is None:
-        tensors = tensors._replace(top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32))
-    return tensors

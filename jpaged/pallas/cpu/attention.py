@@ -1,10 +1,10 @@
-"""Ragged paged attention on the CPU through a small C++ kernel (cpu_paged_attention.cc), called as an XLA FFI
+"""Ragged paged attention on the CPU through a small C++ kernel (paged_attention.cc), called as an XLA FFI
 custom call. Same contract as reference.py.
 
 Pallas has no CPU backend, and in XLA the attention of a decode step gathers and transposes every page before its
 dots: ~1.9x the time of just reading the KV data (bench_decode_step). The kernel reads each page once, in place.
 
-It is built on first use with the other CPU kernels (cpu_library.py); where it cannot be built, `auto` falls back to
+It is built on first use with the other CPU kernels (library.py); where it cannot be built, `auto` falls back to
 the XLA reference.
 """
 
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.pallas import cpu_library
-from jpaged.pallas.ragged_paged_attention import check_inputs, over_pages
+from jpaged.pallas.common import check_inputs, over_pages
+from jpaged.pallas.cpu import library
 
 _TARGET = "jpaged_paged_attention"
 _UNINITIALIZED_TARGET = "jpaged_uninitialized"
@@ -25,13 +25,13 @@ def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
     """An array of `shape` that nothing has written: a KV pool for this kernel, which never reads a slot no sequence
     owns. Zero-filling the default 4 GiB pool took 3.5-5 s of a 2-core CPU's start-up; untouched, its pages are
     mapped in as blocks are first written."""
-    cpu_library.require()
+    library.require()
     return jax.jit(jax.ffi.ffi_call(_UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(shape, dtype)))()
 
 
 def check_layout(head_dim: int, dtype) -> None:
     """The kernel works in float32 on eight-float vectors; raises ValueError where it cannot."""
-    if jnp.dtype(dtype) not in cpu_library.SUPPORTED_DTYPES:
+    if jnp.dtype(dtype) not in library.SUPPORTED_DTYPES:
         raise ValueError(f"the CPU kernel takes float32 or bfloat16, not {jnp.dtype(dtype)}")
     if head_dim % 8:
         raise ValueError(f"the CPU kernel needs a head_dim that is a multiple of 8, got {head_dim}")
@@ -60,7 +60,7 @@ def ragged_paged_attention_stacked(
     check_layout(q.shape[-1], q.dtype)
     if k_cache.ndim != 5:
         raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
-    cpu_library.require()
+    library.require()
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q,

@@ -9,8 +9,9 @@ import sys
 import types
 import typing
 
+from jpaged_server.cli import add_server_args
+
 from jpaged.config import EngineConfig
-from server.cli import add_server_args
 
 # Flags whose vLLM spelling differs from the field name, or that need a unit in their help.
 _HELP = {
@@ -44,7 +45,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from jpaged.llm import LLM
+    from jpaged.entrypoints.llm import LLM
     from jpaged.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
@@ -71,7 +72,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.cli import serve
+    from jpaged_server.cli import serve
 
     return serve(args, engine_config_from_args(args))
 

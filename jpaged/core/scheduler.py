@@ -12,9 +12,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from jpaged.block_manager import BlockManager
 from jpaged.config import EngineConfig
-from jpaged.sequence import Sequence, SequenceStatus
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.sequence import SequenceState, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +25,9 @@ class SchedulerOutput:
     builds this for every running sequence every step): seqs[i] computes num_new_tokens[i] tokens from its
     num_computed_tokens on, and samples a new token when that reaches its last known token."""
 
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[SequenceState] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[SequenceState] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
@@ -36,7 +36,7 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+    def add(self, seq: SequenceState, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
 
@@ -45,9 +45,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.blocks = block_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # kept sorted by priority_key
-        self.swapped: deque[Sequence] = deque()
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # kept sorted by priority_key
+        self.swapped: deque[SequenceState] = deque()
         self.num_preemptions = 0
         self._arrivals = 0
         self._warned_preemption = False
@@ -56,20 +56,20 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         self._arrivals += 1
         seq.arrival_order = self._arrivals
         seq.status = SequenceStatus.WAITING
         self._insert_waiting(seq)
 
-    def add_running(self, seq: Sequence) -> None:
+    def add_running(self, seq: SequenceState) -> None:
         """A fork that already holds blocks (parallel sampling, beams) joins the running set directly."""
         self._arrivals += 1
         seq.arrival_order = self._arrivals
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.priority_key)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: SequenceState) -> None:
         """Remove a sequence wherever it is and release its blocks (finished or aborted)."""
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
@@ -150,7 +150,7 @@ class Scheduler:
             out.add(seq, num_new)
             budget -= num_new
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: SequenceState, out: SchedulerOutput) -> None:
         swap = self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq.seq_id)
         if swap:
             out.swap_out.extend(self.blocks.swap_out(seq.seq_id))
@@ -171,12 +171,12 @@ class Scheduler:
                 "swap" if swap else "recompute",
             )
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: SequenceState) -> None:
         if self.blocks.has_seq(seq.seq_id):
             self.blocks.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.prefix_matched = False
 
-    def _insert_waiting(self, seq: Sequence) -> None:
+    def _insert_waiting(self, seq: SequenceState) -> None:
         keys = [s.priority_key for s in self.waiting]
         self.waiting.insert(bisect.bisect(keys, seq.priority_key), seq)

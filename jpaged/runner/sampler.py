@@ -25,145 +25,17 @@ decide; nothing sorts V (XLA's sort of [S, V] takes seconds on CPU).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jpaged.sampling_params import SAMPLING_EPS, SamplingParams
+from jpaged.runner.sampling_inputs import SamplerOutput, SamplingTensors
+from jpaged.sampling_params import SAMPLING_EPS
 
-LOGPROB_BUCKETS = (0, 5, 20)  # static top-K sizes, so the number of logprob shapes stays small
-MIN_WIDTH = 16  # smallest padded width of the history / bias / allowed arrays
 TRUNCATION_CANDIDATES = (256, 4096)  # top_k/top_p look at this many best logits before bisecting
 CDF_BLOCK = 256  # block length of the two-level inverse-CDF draw
-_UINT32 = 0xFFFFFFFF
 _NEG_INF_BITS = 0x7F800000  # float32 bits of +inf: -bitcast(this) is -inf
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """What the sampler needs about one running sequence; the engine builds one per row each step."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    seed: int  # the request's seed, or one the engine drew from its own seeded RNG
-    eos_token_id: int | None = None  # banned together with stop_token_ids until min_tokens are generated
-    bad_words_token_ids: Sequence[Sequence[int]] = ()  # from sampling_params.tokenize_bad_words
-
-
-class SamplingTensors(NamedTuple):
-    """Per-row sampling inputs, leading dim S; padded rows are greedy and unbiased. See the module doc."""
-
-    temperature: jax.Array  # f32[S]
-    min_p: jax.Array  # f32[S]
-    keys: jax.Array | None = None  # u32[S, 2] raw threefry key data of the row's seed
-    steps: jax.Array | None = None  # i32[S] tokens generated so far, folded into the key
-    top_k: jax.Array | None = None  # i32[S], 0 = off
-    top_p: jax.Array | None = None  # f32[S]
-    history: jax.Array | None = None  # i32[S, H] prompt then output tokens, padded with V
-    prompt_lens: jax.Array | None = None  # i32[S]
-    presence_penalty: jax.Array | None = None  # f32[S]
-    frequency_penalty: jax.Array | None = None  # f32[S]
-    repetition_penalty: jax.Array | None = None  # f32[S]
-    bias_ids: jax.Array | None = None  # i32[S, B], padded with V
-    bias_values: jax.Array | None = None  # f32[S, B], -inf bans
-    allowed_ids: jax.Array | None = None  # i32[S, A], padded with V
-    vocab_restricted: jax.Array | None = None  # bool[S], rows whose allowed_ids apply
-
-
-class SamplerOutput(NamedTuple):
-    token_ids: jax.Array  # i32[S]
-    logprobs: jax.Array | None  # f32[S, 1 + K]: sampled token, then the top K; None when not asked
-    logprob_token_ids: jax.Array | None  # i32[S, 1 + K]
-    sampled_rank: jax.Array | None  # i32[S], 1-based rank of the sampled token under the raw logits
-
-
-def logprobs_bucket(rows: Sequence[SamplingRow]) -> int | None:
-    """Static `num_logprobs` for a batch: None when no row asks, else the smallest bucket that covers all."""
-    asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-    if not asked:
-        return None
-    return next(b for b in LOGPROB_BUCKETS if b >= max(asked))
-
-
-def _width(n: int) -> int:
-    return max(MIN_WIDTH, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _padded(lists: Sequence[Sequence[float]], num_rows: int, width: int, fill: float, dtype) -> np.ndarray:
-    out = np.full((num_rows, width), fill, dtype=dtype)
-    for i, values in enumerate(lists):
-        out[i, : len(values)] = values
-    return out
-
-
-def _bias_entries(row: SamplingRow) -> dict[int, float]:
-    """logit_bias plus -inf bans: bad words whose prefix was just generated, stop tokens before min_tokens."""
-    params, outputs = row.params, row.output_token_ids
-    entries = dict(params.logit_bias or {})
-    for word in row.bad_words_token_ids:
-        prefix = list(word[:-1])
-        if not prefix or (len(outputs) >= len(prefix) and list(outputs[-len(prefix) :]) == prefix):
-            entries[word[-1]] = -np.inf
-    if len(outputs) < params.min_tokens:
-        stops = [*(params.stop_token_ids or []), *([] if row.eos_token_id is None else [row.eos_token_id])]
-        entries.update(dict.fromkeys(stops, -np.inf))
-    return entries
-
-
-def build_sampling_tensors(
-    rows: Sequence[SamplingRow], num_rows: int, vocab_size: int, *, history_len: int | None = None
-) -> SamplingTensors:
-    """Host side: pack the rows into padded numpy arrays and decide which stages this batch needs.
-
-    `history_len` fixes H (pass max_model_len for one shape); by default H is the next power of two.
-    """
-    if len(rows) > num_rows:
-        raise ValueError(f"num_rows ({num_rows}) is smaller than the number of rows ({len(rows)})")
-    pad = num_rows - len(rows)
-    params = [r.params for r in rows]
-
-    def column(values: list, fill, dtype) -> np.ndarray:
-        return np.array(values + [fill] * pad, dtype=dtype)
-
-    fields: dict[str, np.ndarray] = {
-        "temperature": column([p.temperature for p in params], 0.0, np.float32),
-        "min_p": column([p.min_p for p in params], 0.0, np.float32),
-    }
-    if any(not p.is_greedy for p in params):
-        seeds = [r.seed & 0xFFFFFFFFFFFFFFFF for r in rows]  # threefry keys hold a 64-bit seed as (hi, lo)
-        fields["keys"] = _padded([[s >> 32, s & _UINT32] for s in seeds], num_rows, 2, 0, np.uint32)
-        fields["steps"] = column([len(r.output_token_ids) for r in rows], 0, np.int32)
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        # A top_k of the vocabulary or more keeps every token: clamped, any int a client sends fits int32.
-        fields["top_k"] = column([min(max(p.top_k, 0), vocab_size) for p in params], 0, np.int32)
-        fields["top_p"] = column([p.top_p for p in params], 1.0, np.float32)
-    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
-        histories = [[*r.prompt_token_ids, *r.output_token_ids] for r in rows]
-        longest = max(len(h) for h in histories)
-        width = _width(longest) if history_len is None else history_len
-        if longest > width:
-            raise ValueError(f"history_len ({width}) is shorter than a row's history ({longest})")
-        fields["history"] = _padded(histories, num_rows, width, vocab_size, np.int32)
-        fields["prompt_lens"] = column([len(r.prompt_token_ids) for r in rows], 0, np.int32)
-        fields["presence_penalty"] = column([p.presence_penalty for p in params], 0.0, np.float32)
-        fields["frequency_penalty"] = column([p.frequency_penalty for p in params], 0.0, np.float32)
-        fields["repetition_penalty"] = column([p.repetition_penalty for p in params], 1.0, np.float32)
-    biases = [_bias_entries(r) for r in rows]
-    if any(biases):
-        width = _width(max(len(b) for b in biases))
-        fields["bias_ids"] = _padded([list(b) for b in biases], num_rows, width, vocab_size, np.int32)
-        fields["bias_values"] = _padded([list(b.values()) for b in biases], num_rows, width, 0.0, np.float32)
-    if any(p.allowed_token_ids is not None for p in params):
-        allowed = [p.allowed_token_ids or [] for p in params]
-        width = _width(max(len(a) for a in allowed))
-        fields["allowed_ids"] = _padded(allowed, num_rows, width, vocab_size, np.int32)
-        fields["vocab_restricted"] = column([p.allowed_token_ids is not None for p in params], False, bool)
-    return SamplingTensors(**fields)
 
 
 def _scatter_rows(ids: jax.Array, values: jax.Array | float, vocab_size: int, dtype, op: str) -> jax.Array:

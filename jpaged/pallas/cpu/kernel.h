@@ -1,4 +1,4 @@
-// What the CPU kernels (cpu_paged_attention.cc, cpu_matmul.cc) share: eight-float vectors, bfloat16 conversion and
+// What the CPU kernels (paged_attention.cc, matmul.cc) share: eight-float vectors, bfloat16 conversion and
 // a parallel loop over XLA's intra-op thread pool.
 #pragma once
 

@@ -21,20 +21,20 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
-from jpaged.executable_cache import step_cache
+from jpaged.core.sequence import SequenceState
+from jpaged.engine.step_sampling import step_sampling_tensors
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import KVCache, StepBatch, device_params, forward, init_kv_cache
 from jpaged.pallas import cpu_attention, cpu_matmul, get_attention_fn, resolve_attention_impl
-from jpaged.sampler import (
+from jpaged.runner.executable_cache import step_cache
+from jpaged.runner.sampler import (
     SamplerOutput,
     SamplingRow,
     SamplingTensors,
     gather_logprobs,
     sample,
 )
-from jpaged.sequence import Sequence as Seq
-from jpaged.step_sampling import step_sampling_tensors
-from jpaged.step_shapes import StepShapes
+from jpaged.runner.step_shapes import StepShapes
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class ModelRunner:
 
     def prepare(
         self,
-        seqs: Sequence[Seq],
+        seqs: Sequence[SequenceState],
         num_new_tokens: Sequence[int],
         block_tables: np.ndarray,
         sample_rows: Sequence[int],

@@ -1,0 +1,76 @@
+"""What the attention kernels share: the input checks of their contract, the tile-to-sequence search, and the
+pages form of a stacked-cache kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+NEG_INF = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, sliding_window, soft_cap):
+    """Static checks shared by the GPU and TPU kernels; raises ValueError naming the field."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
+    if k_pages.ndim not in (4, 5) or k_pages.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"k_pages must be [(L,) N, B, Hk, D] with D={q.shape[-1]}, got shape {k_pages.shape}"
+        )
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(
+            f"k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must equal q dtype {q.dtype}"
+        )
+    if q.shape[1] % k_pages.shape[-2]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k_pages heads ({k_pages.shape[-2]})")
+    num_seq_slots = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
+    for name, array, shape in (
+        ("kv_lens", kv_lens, (num_seq_slots,)),
+        ("block_tables", block_tables, (num_seq_slots, block_tables.shape[-1])),
+        ("query_start", query_start, (num_seq_slots + 1,)),
+        ("num_seqs", num_seqs, (1,)),
+    ):
+        if array.shape != shape or array.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32{list(shape)}, got {array.dtype}{list(array.shape)}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap must be positive, got {soft_cap}")
+
+
+def find_tile_sequence(query_start_ref, tile, num_seqs, tile_tokens: int, search_steps: int):
+    """Largest s < num_seqs whose first tile (`query_start[s] // tile_tokens + s`) is <= `tile`.
+
+    A binary search over `query_start` read from kernel memory; `lax.div` rather than `//` because the
+    operands are non-negative and Mosaic lowers floor division through a sign op it cannot lower off-TPU.
+    """
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lax.div(lo + hi + 1, 2)
+        owns = lax.div(query_start_ref[mid], tile_tokens) + mid <= tile
+        return jnp.where(owns, mid, lo), jnp.where(owns, hi, mid - 1)
+
+    lo, _ = lax.fori_loop(0, search_steps, step, (jnp.int32(0), num_seqs - 1))
+    return lo
+
+
+def over_pages(stacked: Callable) -> Callable:
+    """The pages form of a stacked-cache kernel, `fn(q, k_pages, v_pages, kv_lens, block_tables, query_start,
+    num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None, interpret=False)`: the cache as one layer."""
+
+    def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *metadata, **options):
+        """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]` (contract in jpaged.pallas); returns [T, Hq, D]."""
+        if k_pages.ndim != 4:
+            raise ValueError(f"k_pages must be [N, B, Hk, D], got shape {k_pages.shape}")
+        return stacked(q, k_pages[None], v_pages[None], jnp.zeros((1,), jnp.int32), *metadata, **options)
+
+    return ragged_paged_attention
