@@ -2,7 +2,7 @@
 
 Users arrive with vLLM / OpenAI parameters, so the names and allowed ranges are vLLM's; every bad value raises
 ValueError naming the field. Validation against the vocabulary needs the model, so it is a separate call
-(`verify_for_vocab`) that the engine makes once the model is known.
+(`check_for_vocab`) that the engine makes once the model is known.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import copy
 import enum
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 SAMPLING_EPS = 1e-5  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures overflow softmax; vLLM raises them to this
@@ -25,10 +24,6 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # after every step, everything generated so far
     DELTA = 1  # after every step, only what is new since the previous output
     FINAL_ONLY = 2  # one output, when the request finishes: no per-step outputs, text decoded once at the end
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -60,7 +55,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        self._verify_types()
+        self._check_types()
         if self.seed == -1:  # vLLM and OpenAI clients use -1 for "no seed"
             self.seed = None
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -73,7 +68,7 @@ class SamplingParams:
             }
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
-        self._verify_ranges()
+        self._check_ranges()
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         if self.is_greedy:  # truncation cannot change an argmax; turning it off keeps the batch lean
@@ -92,7 +87,7 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
 
-    def verify_for_vocab(self, vocab_size: int) -> None:
+    def check_for_vocab(self, vocab_size: int) -> None:
         """Reject token ids the model cannot produce; called by the engine once the vocabulary is known."""
         for name in ("stop_token_ids", "allowed_token_ids"):
             bad = [t for t in getattr(self, name) or [] if not 0 <= t < vocab_size]
@@ -102,7 +97,7 @@ class SamplingParams:
         if bad:
             raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {bad}")
 
-    def _verify_types(self) -> None:
+    def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -138,7 +133,7 @@ class SamplingParams:
                     f"logit_bias must map token ids to numbers, got {self.logit_bias!r}"
                 ) from None
 
-    def _verify_ranges(self) -> None:
+    def _check_ranges(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if not 0.0 <= self.temperature <= 2.0:
@@ -174,24 +169,6 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must not be empty")
         if self.is_greedy and self.n > 1:
             raise ValueError(f"n must be 1 when temperature is 0 (greedy), got {self.n}")
-
-
-def tokenize_bad_words(bad_words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
-    """Token sequences to ban for each bad word, at the start of the text and mid-text (vLLM's rule).
-
-    A word tokenises differently with a leading space, so both forms are banned; the spaced form is kept
-    only when it really is a different word token of the same length (as vLLM's update_from_tokenizer).
-    """
-    sequences: list[list[int]] = []
-    for word in bad_words:
-        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        if not plain:
-            raise ValueError(f"bad_words entry {word!r} tokenises to no tokens")
-        sequences.append(plain)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            sequences.append(spaced)
-    return sequences
 
 
 @dataclass(frozen=True, slots=True)

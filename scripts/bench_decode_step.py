@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path when run)
 
-from jpaged.models.llama import StepBatch, device_params, forward, init_kv_cache  # noqa: E402
+from jpaged.models.llama import StepBatch, forward, init_kv_cache  # noqa: E402
 from jpaged.models.loader import load_model  # noqa: E402
 from jpaged.pallas import get_attention_fn, resolve_attention_impl  # noqa: E402
-from jpaged.runner.model_runner import _step_params  # noqa: E402
+from jpaged.runner.weight_layout import choose_products  # noqa: E402
 
 BLOCK_SIZE = 16
 KV_READ_PAGES = 4
@@ -108,9 +108,10 @@ def all_layers_attention(
 class DonatedStep:
     """`forward` as the engine runs it: the cache donated and replaced by the returned one every call."""
 
-    def __init__(self, params, config, attention, num_blocks: int) -> None:
-        self.params = params
-        self.step = jax.jit(functools.partial(forward, config=config, attention=attention), donate_argnums=1)
+    def __init__(self, weights, config, attention, num_blocks: int) -> None:
+        products, self.params = weights
+        step = functools.partial(forward, config=config, attention=attention, products=products)
+        self.step = jax.jit(step, donate_argnums=1)
         self.kv_cache = init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.float32)
 
     def __call__(self, batch: StepBatch) -> jax.Array:
@@ -118,11 +119,12 @@ class DonatedStep:
         return logits
 
 
-def time_shape(params, config, attention, num_seqs: int, context: int, repeats: int) -> dict[str, float]:
+def time_shape(weights, config, attention, num_seqs: int, context: int, repeats: int) -> dict[str, float]:
+    """`weights`: (the matrix products, the params in their layout)."""
     rng = np.random.default_rng(0)
     batch, num_blocks = decode_batch(num_seqs, context, rng)
     timings = {
-        name: 1e3 * median_seconds(DonatedStep(params, config, attend, num_blocks), (batch,), repeats)
+        name: 1e3 * median_seconds(DonatedStep(weights, config, attend, num_blocks), (batch,), repeats)
         for name, attend in (("step", attention), ("no attention", identity_attention))
     }
     cache_shape = (config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
@@ -164,8 +166,11 @@ def main() -> None:
 
     model = load_model(None, progress=False)
     config = model.config
-    layouts = {"auto": _step_params, "xla": lambda params: params, "cpu": device_params}
-    matmuls = {name: jax.device_put(layouts[name](model.params)) for name in args.matmul.split(",")}
+    layouts = {"auto": "auto", "xla": "stacked", "cpu": "panels"}
+    matmuls = {}
+    for name in args.matmul.split(","):
+        products = choose_products(model.params, layouts[name])
+        matmuls[name] = products, jax.device_put(products.layout(model.params))
     layout = dict(head_dim=config.head_dim, dtype=jnp.float32)
     impls = [resolve_attention_impl(impl, **layout) for impl in args.attention.split(",")]
     print(f"{config.num_layers} layers, float32, {jax.devices()[0].device_kind}; median of {args.repeats}")
@@ -176,11 +181,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         num_seqs, context = map(int, shape.split("x"))
-        for (matmul, params), impl in itertools.product(matmuls.items(), impls):
+        for (matmul, weights), impl in itertools.product(matmuls.items(), impls):
             attention = get_attention_fn(
                 impl, num_kv_heads=config.num_kv_heads, block_size=BLOCK_SIZE, **layout
             )
-            t = time_shape(params, config, attention, num_seqs, context, args.repeats)
+            t = time_shape(weights, config, attention, num_seqs, context, args.repeats)
             share = (t["step"] - t["no attention"]) / t["step"]
             rate = t["KV bytes"] / t["KV read"] / 1e6
             print(

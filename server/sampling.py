@@ -87,7 +87,7 @@ def sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: int 
         raise bad_request(err, SAMPLING_FIELDS) from None
 
 
-def validate_for_engine(
+def check_for_engine(
     engine: LLMEngine,
     prompt_ids: Sequence[int],
     params: SamplingParams | BeamSearchParams,
@@ -96,7 +96,7 @@ def validate_for_engine(
     """The engine's own checks (token ids in the vocabulary, n samples or beams within max_num_seqs, a beam width
     its EOS ids and block pool allow), run before anything is queued."""
     try:
-        engine.validate_prompt(prompt_ids)
+        engine.check_prompt(prompt_ids)
     except ValueError as err:
         raise APIError(400, str(err), prompt_param) from None
     if isinstance(params, BeamSearchParams):
@@ -106,6 +106,6 @@ def validate_for_engine(
             raise APIError(400, f"n (the beam width): {err}", "n") from None
         return
     try:
-        engine.verify_params(params)
+        engine.check_params(params)
     except ValueError as err:
         raise bad_request(err, SAMPLING_FIELDS) from None

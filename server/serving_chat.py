@@ -20,7 +20,7 @@ from jpaged_server.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
-from jpaged_server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
+from jpaged_server.sampling import check_for_engine, resolve_max_tokens, sampling_params
 from jpaged_server.state import ServerState, get_state
 from jpaged_server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
 
@@ -55,7 +55,7 @@ def _engine_input(state: ServerState, body: ChatCompletionRequest) -> EngineInpu
         asked, None, len(ids), state.max_model_len, param=param, prompt_param="messages"
     )
     params = sampling_params(body, max_tokens=max_tokens, logprobs=_num_logprobs(body))
-    validate_for_engine(engine, ids, params, "messages")
+    check_for_engine(engine, ids, params, "messages")
     return EngineInput(ids, params)
 
 

@@ -12,7 +12,7 @@ from jpaged_server.errors import APIError
 from jpaged_server.generation import EngineInput, GenerationStopped, generate_outputs
 from jpaged_server.logprobs import completion_logprobs, echoed_prompt_logprobs, join_logprobs
 from jpaged_server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from jpaged_server.sampling import resolve_max_tokens, sampling_params, validate_for_engine
+from jpaged_server.sampling import check_for_engine, resolve_max_tokens, sampling_params
 from jpaged_server.state import ServerState, get_state
 from jpaged_server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
 
@@ -58,7 +58,7 @@ def _engine_inputs(state: ServerState, body: CompletionRequest) -> tuple[list[En
             params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
             if body.echo and body.logprobs is not None:  # the echoed prompt carries its logprobs too
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-        validate_for_engine(engine, ids, params, "prompt")
+        check_for_engine(engine, ids, params, "prompt")
         inputs.append(EngineInput(ids, params))
     return inputs, texts
 

@@ -11,7 +11,7 @@ from conftest import hf_model
 from greedy import assert_same_greedy
 
 from jpaged import LLM, SamplingParams
-from jpaged.sampling_params import tokenize_bad_words
+from jpaged.engine.tokenizer import tokenize_bad_words
 
 PROMPTS = [
     "The capital of France is",

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from conftest import TINY_FAMILIES, hf_logits
 
-from jpaged.models.llama import StepBatch, device_params, forward, init_kv_cache
+from jpaged.models.llama import StepBatch, forward, init_kv_cache
 from jpaged.models.loader import load_model
 from jpaged.pallas.reference import paged_attention_stacked
+from jpaged.runner.weight_layout import choose_products
 
 BLOCK = 16
 
@@ -21,12 +22,16 @@ class PagedRun:
     """Drives the forward pass by hand: sequences get consecutive blocks, steps feed chosen token ranges."""
 
     def __init__(self, loaded, num_seqs: int, max_len: int = 128, layout: str = "stacked"):
-        params = device_params(loaded.params) if layout == "panels" else loaded.params
+        products = choose_products(loaded.params, layout)
+        params = products.layout(loaded.params)
         self.config, self.params = loaded.config, jax.device_put(params)
         self.width = max_len // BLOCK
         dtype = params["final_norm"].dtype
         self.cache = init_kv_cache(self.config, 1 + num_seqs * self.width, BLOCK, dtype)
-        self.fn = jax.jit(functools.partial(forward, config=self.config, attention=paged_attention_stacked))
+        forward_fn = functools.partial(
+            forward, config=self.config, attention=paged_attention_stacked, products=products
+        )
+        self.fn = jax.jit(forward_fn)
 
     def step(self, seqs: list[list[int]], starts: list[int], ends: list[int]) -> list[np.ndarray]:
         """Compute tokens [start, end) of each sequence; returns each sequence's logits for those tokens."""
@@ -55,7 +60,7 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
 
 
-# "stacked": accelerators' layout; "panels": the CPU matmul kernel's (device_params)
+# "stacked": accelerators' layout; "panels": the CPU matmul kernel's (runner.weight_layout)
 @pytest.mark.parametrize("layout", ["stacked", "panels"])
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_logits_match_transformers_for_ragged_prefill_and_paged_decode(family, layout, tiny_model_dir):

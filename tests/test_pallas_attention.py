@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from numpy_attention import ragged_paged_attention_numpy
 
-from jpaged.pallas import gpu, resolve_attention_impl, tpu
+from jpaged.pallas import gpu, ragged_paged_attention, resolve_attention_impl, tpu
 from jpaged.pallas.cpu import attention as cpu
 from jpaged.pallas.reference import ragged_paged_attention_reference
 
@@ -242,6 +242,18 @@ def test_public_entry_point_matches_xla_reference(cfg):
         relative_error(*(np.asarray(x.astype(jnp.float32)) for x in (out, reference)), step)
         < TOLERANCE[cfg.dtype]
     )
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference", "pallas", "cpu"])
+def test_the_package_entry_point_dispatches_by_backend_and_impl(impl):
+    """`from jpaged.pallas import ragged_paged_attention` is the one callable: on CPU `auto` and `cpu` take the C++
+    kernel, `pallas` the GPU kernel in interpret mode, `reference` XLA; every one agrees with the oracle."""
+    cfg = dataclasses.replace(CPU_F32, bucket=DECODE)
+    step = draw_step(np.random.default_rng(11), cfg)
+    args = device_args(step, cfg.dtype)
+    call = functools.partial(ragged_paged_attention, sm_scale=sm_scale(cfg), impl=impl)
+    out = np.asarray(jax.jit(call)(*args))
+    assert relative_error(out, oracle(cfg, args), step) < TOLERANCE[cfg.dtype]
 
 
 @pytest.mark.parametrize("cfg", [GPU_F32, TPU_F32, CPU_F32], ids=lambda c: c.id)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jpaged.sampling_params import SamplingParams, tokenize_bad_words
+from jpaged.engine.tokenizer import tokenize_bad_words
+from jpaged.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -99,11 +100,11 @@ def test_clone_is_deep():
 @pytest.mark.parametrize(
     ("field", "value"), [("stop_token_ids", [50]), ("allowed_token_ids", [1, -1]), ("logit_bias", {99: 1.0})]
 )
-def test_verify_for_vocab_names_the_field_with_out_of_range_ids(field, value):
+def test_check_for_vocab_names_the_field_with_out_of_range_ids(field, value):
     params = SamplingParams(**{field: value})
     with pytest.raises(ValueError, match=f"^{field} "):
-        params.verify_for_vocab(32)
-    SamplingParams(**{field: [3] if field != "logit_bias" else {3: 1.0}}).verify_for_vocab(32)
+        params.check_for_vocab(32)
+    SamplingParams(**{field: [3] if field != "logit_bias" else {3: 1.0}}).check_for_vocab(32)
 
 
 class _WordTokenizer:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jpaged.core.block_pool import BlockHash, BlockPool, hash_block_tokens
+from jpaged.rounding import cdiv
 
 
 @dataclass(slots=True)
@@ -165,7 +166,7 @@ class BlockManager:
             return True
         seq = self._seq_to_allocate(seq_id, num_computed_tokens, num_new_tokens)
         block_ids, pool = seq.block_ids, self.pool
-        num_blocks = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
+        num_blocks = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
         num_needed = max(num_blocks - len(block_ids), 0)
         written = range(num_computed_tokens // self.block_size, min(len(block_ids), num_blocks))
         shared = [index for index in written if pool.refcount(block_ids[index]) > 1]

@@ -69,9 +69,6 @@ class BlockPool:
     def block_hash(self, block_id: int) -> BlockHash | None:
         return self._block_hash[block_id]
 
-    def is_evictable(self, block_id: int) -> bool:
-        return block_id in self._evictable
-
     def evictable_blocks(self) -> list[int]:
         """Evictable cached blocks, least recently freed (next to be evicted) first."""
         return list(self._evictable)

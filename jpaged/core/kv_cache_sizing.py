@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from jpaged.rounding import cdiv
+
 GIB = 1 << 30
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * GIB
 MIN_NUM_BLOCKS = 2  # the null block plus one usable block
@@ -105,7 +107,7 @@ def configure_accelerator_allocator(gpu_memory_utilization: float) -> dict[str, 
 def startup_summary(num_blocks: int, block_size: int, bytes_per_token: int, max_model_len: int) -> str:
     """The one start-up log line that says what the KV cache holds."""
     usable = num_blocks - 1
-    blocks_per_seq = -(-max_model_len // block_size)
+    blocks_per_seq = cdiv(max_model_len, block_size)
     total_gib = num_blocks * block_size * bytes_per_token / GIB
     return (
         f"KV cache: block_size={block_size}, num_blocks={num_blocks} ({usable} usable), "

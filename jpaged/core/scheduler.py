@@ -32,10 +32,6 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
     def add(self, seq: SequenceState, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
@@ -66,17 +62,20 @@ class Scheduler:
         """A fork that already holds blocks (parallel sampling, beams) joins the running set directly."""
         self._arrivals += 1
         seq.arrival_order = self._arrivals
-        seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, seq, key=lambda s: s.priority_key)
+        self._start_running(seq)
 
     def finish(self, seq: SequenceState) -> None:
-        """Remove a sequence wherever it is and release its blocks (finished or aborted)."""
-        for queue in (self.waiting, self.running, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
-        if self.blocks.has_seq(seq.seq_id):
-            self.blocks.free(seq.seq_id)
+        """Remove a sequence wherever it is and free its blocks (finished or aborted)."""
+        self._remove(seq)
+        self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def requeue(self, seq: SequenceState) -> None:
+        """Send a sequence back to waiting from wherever it is, its blocks freed: it recomputes from scratch (its
+        full blocks stay in the prefix cache, so that is short)."""
+        self._remove(seq)
+        self._release(seq)
+        self.add(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -115,8 +114,7 @@ class Scheduler:
                 break
             out.swap_in.extend(self.blocks.swap_in(seq.seq_id))
             self.swapped.popleft()
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.priority_key)
+            self._start_running(seq)
             slots -= seq.fan_out
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
@@ -144,8 +142,7 @@ class Scheduler:
                 self._release(seq)  # matched prefix blocks must not stay pinned by a waiting sequence
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.priority_key)
+            self._start_running(seq)
             slots -= seq.fan_out
             out.add(seq, num_new)
             budget -= num_new
@@ -171,9 +168,22 @@ class Scheduler:
                 "swap" if swap else "recompute",
             )
 
-    def _release(self, seq: SequenceState) -> None:
+    def _start_running(self, seq: SequenceState) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.priority_key)
+
+    def _remove(self, seq: SequenceState) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+
+    def _free_blocks(self, seq: SequenceState) -> None:
         if self.blocks.has_seq(seq.seq_id):
             self.blocks.free(seq.seq_id)
+
+    def _release(self, seq: SequenceState) -> None:
+        """Free its blocks and forget its progress: it starts again from its first token (prefix hits aside)."""
+        self._free_blocks(seq)
         seq.num_computed_tokens = 0
         seq.prefix_matched = False
 

@@ -39,7 +39,7 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     bad_words_token_ids: list[list[int]] = field(
         default_factory=list
-    )  # from sampling_params.tokenize_bad_words
+    )  # from engine.tokenizer.tokenize_bad_words
     # Set by the engine when the request arrives. Static: its sampling inputs stay the same from step to step,
     # but for the step count (nothing depends on its outputs: no penalties, bad words or min_tokens; not a
     # beam). Plain greedy: static and sampled exactly like the sampler's padding rows (greedy, nothing biasing

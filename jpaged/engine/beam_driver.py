@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from jpaged.config import EngineConfig
 from jpaged.core.beam_search import BeamSearch
 from jpaged.core.sequence import Request, SequenceState, SequenceStatus
+from jpaged.rounding import cdiv
 from jpaged.runner.sampling_inputs import SamplerOutput
 from jpaged.sampling_params import BeamSearchParams
 
@@ -44,7 +45,7 @@ class BeamDriver:
         self.config.check_fan_out("beam_width", params.beam_width, "the beams advance together")
         search = BeamSearch.start(params, self.eos_token_ids, self.max_model_len - num_prompt_tokens)
         size = self.config.block_size
-        per_beam = -(-(num_prompt_tokens % size + search.max_tokens) // size)  # after the shared full blocks
+        per_beam = cdiv(num_prompt_tokens % size + search.max_tokens, size)  # after the shared full blocks
         needed = num_prompt_tokens // size + params.beam_width * per_beam
         if needed > self.num_total_blocks:
             raise ValueError(

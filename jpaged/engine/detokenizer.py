@@ -14,16 +14,12 @@ from the stream until it cannot, so text after which a stop string is cut never 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
+from jpaged.engine.tokenizer import Tokenizer
 from jpaged.sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first outputs (vLLM's initial offset)
 REPLACEMENT_CHAR = "\ufffd"  # what decode makes of an incomplete UTF-8 sequence
-
-
-class Tokenizer(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ..., **kwargs) -> str: ...
 
 
 def decoder_for(tokenizer: Tokenizer, params: SamplingParams) -> Callable[[list[int]], str]:

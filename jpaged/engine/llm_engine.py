@@ -1,4 +1,9 @@
-"""LLMEngine: requests in, one scheduled device step at a time, RequestOutputs out."""
+"""LLMEngine: requests in, one scheduled device step at a time, RequestOutputs out.
+
+A step: the scheduler plans who runs and how many tokens (host core); the engine gathers the plan into a
+ScheduledStep whose plain StepSchedule the runner pads and runs; the output processor gives each sampled token to
+its sequence (or its beam search) and says which requests have output due.
+"""
 
 from __future__ import annotations
 
@@ -12,27 +17,20 @@ import numpy as np
 from jpaged.config import EngineConfig
 from jpaged.core.beam_search import BeamSearch
 from jpaged.core.block_manager import BlockManager
-from jpaged.core.kv_cache_sizing import (
-    check_max_model_len_fits,
-    configure_accelerator_allocator,
-    determine_num_blocks,
-    kv_bytes_per_token,
-    startup_summary,
-)
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Request, SequenceState
 from jpaged.engine.beam_driver import BeamDriver
 from jpaged.engine.output_processor import OutputProcessor
-from jpaged.engine.step_sampling import (
-    StepSampling,
-    has_static_sampling,
-    is_plain_greedy,
-    sample_seed_for,
-)
+from jpaged.engine.scheduled_step import ScheduledStep, scheduled_step
+from jpaged.engine.startup import model_dtype, size_kv_cache
+from jpaged.engine.step_sampling import StepSampling, has_static_sampling, is_plain_greedy, sample_seed_for
+from jpaged.engine.tokenizer import tokenize_bad_words
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.outputs import RequestOutput
-from jpaged.runner.sampler import LOGPROB_BUCKETS, SamplerOutput
-from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, tokenize_bad_words
+from jpaged.runner.model_runner import ModelRunner, StepOutput
+from jpaged.runner.sampling_inputs import SamplerOutput
+from jpaged.runner.step_batch import PreparedStep
+from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -46,60 +44,31 @@ class LLMEngine:
         self, config: EngineConfig | None = None, *, model: LoadedModel | None = None, **engine_args
     ):
         self.config = config = config or EngineConfig(**engine_args)
-        configure_accelerator_allocator(config.gpu_memory_utilization)
-        import jax
-
-        platform = jax.default_backend()
-        dtype = {"auto": np.float32 if platform == "cpu" else "bfloat16"}.get(config.dtype, config.dtype)
-        self.model = model or load_model(config.model, jax.numpy.dtype(dtype))
+        dtype = model_dtype(config)
+        self.model = model or load_model(config.model, dtype)
         self.model_config = mc = self.model.config
         self.tokenizer = self.model.tokenizer
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        bytes_per_token = kv_bytes_per_token(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, jax.numpy.dtype(dtype).itemsize
-        )
-        stats = jax.devices()[0].memory_stats() if platform != "cpu" else None
-        peak = 0
-        if stats and config.num_blocks is None:
-            from jpaged.runner.model_runner import activation_peak_bytes
-
-            peak = activation_peak_bytes(config, mc, self.model.params, self.max_model_len)
-        num_blocks = determine_num_blocks(
-            block_size=config.block_size,
-            bytes_per_token=bytes_per_token,
-            num_blocks=config.num_blocks,
-            kv_cache_memory=config.kv_cache_memory,
-            device_memory=stats.get("bytes_limit") if stats else None,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model.params)),
-            activation_peak_bytes=peak,
-        )
-        check_max_model_len_fits(num_blocks, config.block_size, self.max_model_len)
-        logger.info(startup_summary(num_blocks, config.block_size, bytes_per_token, self.max_model_len))
-        num_swap_blocks = int(config.swap_space * 2**30 // (bytes_per_token * config.block_size))
+        size = size_kv_cache(config, self.model, self.max_model_len)
         self.blocks = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks
+            size.num_blocks, config.block_size, config.enable_prefix_caching, size.num_swap_blocks
         )
         self.scheduler = Scheduler(config, self.blocks)
-        from jpaged.runner.model_runner import ModelRunner
-
-        self.runner = ModelRunner(config, mc, self.model.params, num_blocks, self.max_model_len)
-        self._host_k = self._host_v = None
-        if config.preemption_mode == "swap" and num_swap_blocks:
-            shape = (mc.num_layers, num_swap_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
-            self._host_k, self._host_v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        self.runner = ModelRunner(
+            config, mc, self.model.params, size.num_blocks, self.max_model_len, size.num_swap_blocks
+        )
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
-        self.requests: dict[str, Request] = {}
         self.beams = BeamDriver(
             config,
             mc.eos_token_ids,
             self.max_model_len,
             self.blocks.num_total_blocks,
             fork=self._fork,
-            requeue=self._requeue,
+            requeue=self.scheduler.requeue,
             finish=self.scheduler.finish,
         )
         self.sampling = StepSampling(self.runner.sampling_tensors, (mc.eos_token_ids or (None,))[0])
+        self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self._next_seq_id = 0
         self._private_salts = itertools.count()
@@ -125,13 +94,13 @@ class LLMEngine:
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             text, token_ids = None, [int(t) for t in prompt]
-        self.validate_prompt(token_ids)
+        self.check_prompt(token_ids)
         beam = None
         if isinstance(params, BeamSearchParams):
             beam = self.new_beam_search(len(token_ids), params)
             params = beam.sampling_params()
         else:
-            self.verify_params(params)
+            self.check_params(params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
         if params.prompt_logprobs is not None:
             # Logprobs are needed at every prompt position, so prefix hits from other requests must not skip
@@ -155,7 +124,7 @@ class LLMEngine:
         self.requests[request_id] = request
         return request
 
-    def validate_prompt(self, token_ids: Sequence[int]) -> None:
+    def check_prompt(self, token_ids: Sequence[int]) -> None:
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         if len(token_ids) >= self.max_model_len:
@@ -169,10 +138,10 @@ class LLMEngine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})"
             )
 
-    def verify_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams) -> None:
         """What sampling params must also satisfy on this engine: ids inside the vocabulary, and n samples that
         fit in one step, since all of them come from the prompt's last step together."""
-        params.verify_for_vocab(self.model_config.vocab_size)
+        params.check_for_vocab(self.model_config.vocab_size)
         self.config.check_fan_out(
             "n", params.n, "a request's samples are all drawn from its prompt's last step"
         )
@@ -207,30 +176,40 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one device step, process its tokens; returns the outputs due this step: every advanced
         request's, except FINAL_ONLY ones (and beam searches) until they finish."""
+        scheduled = self._schedule()
+        if scheduled is None:
+            return []
+        prepared = self.runner.prepare(scheduled.schedule)
+        sampling, num_logprobs = self.sampling.inputs(scheduled.rows, prepared.num_rows)
+        output = self.runner.execute(prepared, sampling, num_logprobs)
+        return self._process(scheduled, prepared, output)
+
+    def _schedule(self) -> ScheduledStep | None:
+        """The scheduler's plan for this step, with its swaps done; None when it runs no sequence."""
         plan = self.scheduler.schedule()
-        self._run_swaps(plan.swap_out, plan.swap_in)
+        self.runner.swap(plan.swap_out, plan.swap_in)
         seqs, num_new_tokens = plan.seqs, plan.num_new_tokens
         if self.beams.active:
             seqs, num_new_tokens = self.beams.keep_in_lockstep(seqs, num_new_tokens)
         if not seqs:
-            self._copy_blocks(plan.copies)
-            return []
-        rows, row_seqs, prompt_seqs, all_static, all_plain = self._sampled_rows(seqs, num_new_tokens)
+            self.runner.copy_blocks(plan.copies)
+            return None
         tables = self.blocks.block_tables([seq.seq_id for seq in seqs])
-        batch, num_rows, prompt_targets = self.runner.prepare(seqs, num_new_tokens, tables, rows, prompt_seqs)
-        tensors, num_logprobs = self.sampling.inputs(row_seqs, num_rows, all_static, all_plain)
-        num_prompt_logprobs = None
-        if prompt_seqs:
-            asked = max(seqs[i].request.params.prompt_logprobs for i in prompt_seqs)
-            num_prompt_logprobs = next(b for b in LOGPROB_BUCKETS if b >= asked)
-        result, prompt_logprobs = self.runner.execute(
-            batch, tensors, plan.copies, num_logprobs, prompt_targets, num_prompt_logprobs
-        )
+        scheduled = scheduled_step(seqs, num_new_tokens, tables, plan.copies)
+        self.counters["prompt_tokens"] += scheduled.num_first_prompt_tokens
+        return scheduled
+
+    def _process(
+        self, scheduled: ScheduledStep, prepared: PreparedStep, output: StepOutput
+    ) -> list[RequestOutput]:
+        """The step's results into the sequences: prompt logprobs, progress (full blocks become hittable), then
+        the sampled tokens."""
         now = time.time()  # one clock reading for every token of the step
-        for i in prompt_seqs:
-            seq, start = seqs[i], int(batch.query_start[i])
+        seqs, num_new_tokens = scheduled.seqs, scheduled.num_new_tokens
+        for i in scheduled.prompt_logprob_seqs:
+            seq, start = seqs[i], int(prepared.batch.query_start[i])
             self.outputs.record_prompt_logprobs(
-                seq.request, seq.num_computed_tokens, num_new_tokens[i], prompt_logprobs, start
+                seq.request, seq.num_computed_tokens, num_new_tokens[i], output.prompt_logprobs, start
             )
         block_size = self.config.block_size
         for seq, num_new in zip(seqs, num_new_tokens, strict=True):
@@ -238,37 +217,7 @@ class LLMEngine:
             seq.num_computed_tokens = after = before + num_new
             if after // block_size != before // block_size:  # a block filled up: make it hittable
                 self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids, after, seq.request.cache_salt)
-        return self._append_samples(row_seqs, result, now)
-
-    def _sampled_rows(
-        self, seqs: list[SequenceState], num_new_tokens: list[int]
-    ) -> tuple[list[int], list[SequenceState], list[int], bool, bool]:
-        """One pass over the schedule: the scheduled index and sequence of every sampled row (a request's
-        first token fans out to n rows), the scheduled indices that compute prompt logprobs, and whether every
-        row has static sampling inputs, and is plain greedy (see Request). Counts the prompt tokens of requests
-        getting their first token."""
-        rows: list[int] = []
-        row_seqs: list[SequenceState] = []
-        prompt_seqs: list[int] = []
-        all_static = all_plain = True
-        for i, seq in enumerate(seqs):
-            request = seq.request
-            if request.prompt_logprobs is not None and self._computes_prompt_logprobs(seq):
-                prompt_seqs.append(i)
-            num_tokens = len(seq.token_ids)
-            if seq.num_computed_tokens + num_new_tokens[i] != num_tokens:
-                continue  # a prefill chunk short of the prompt's end samples nothing
-            all_static = all_static and request.static_sampling
-            all_plain = all_plain and request.plain_greedy
-            rows.append(i)
-            row_seqs.append(seq)
-            if num_tokens == len(request.prompt_token_ids):  # first token: n samples, or a beam's proposals
-                if seq.index == 0:
-                    self.counters["prompt_tokens"] += num_tokens
-                for _ in range(1, seq.num_sample_rows):
-                    rows.append(i)
-                    row_seqs.append(seq)
-        return rows, row_seqs, prompt_seqs, all_static, all_plain
+        return self._append_samples(scheduled.rows.seqs, output.sampled, now)
 
     def _append_samples(
         self, row_seqs: list[SequenceState], result: SamplerOutput, now: float
@@ -307,41 +256,6 @@ class LLMEngine:
                 outputs.append(self.outputs.request_output(request))
             self.requests.pop(request_id, None)
         return outputs
-
-    def _requeue(self, seq: SequenceState) -> None:
-        """Recompute-preempt a running sequence: free its blocks and queue it as waiting."""
-        self.scheduler.finish(seq)
-        seq.num_computed_tokens = 0
-        seq.prefix_matched = False
-        self.scheduler.add(seq)
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write copies of a step that ended up running nothing: they cannot wait for the next one."""
-        if copies:
-            k, v = self.runner.read_blocks([src for src, _ in copies])
-            self.runner.write_blocks([dst for _, dst in copies], k, v)
-
-    @staticmethod
-    def _computes_prompt_logprobs(seq: SequenceState) -> bool:
-        return (
-            seq.request.prompt_logprobs is not None
-            and seq.index == 0
-            and seq.num_computed_tokens < seq.num_prompt_tokens - 1
-        )
-
-    def _run_swaps(self, swap_out, swap_in) -> None:
-        """Host<->device block transfers, every read before any write (the block manager's contract)."""
-        if not swap_out and not swap_in:
-            return
-        incoming = [(self._host_k[:, h].copy(), self._host_v[:, h].copy(), d) for h, d in swap_in]
-        if swap_out:
-            k, v = self.runner.read_blocks([d for d, _ in swap_out])
-            for i, (_, host) in enumerate(swap_out):
-                self._host_k[:, host], self._host_v[:, host] = k[:, i], v[:, i]
-        if incoming:
-            k = np.stack([k for k, _, _ in incoming], axis=1)
-            v = np.stack([v for _, v, _ in incoming], axis=1)
-            self.runner.write_blocks([d for _, _, d in incoming], k, v)
 
     def _fork(self, parent: SequenceState) -> SequenceState:
         """A parallel sample: shares the parent's blocks (copy-on-write) and its progress."""

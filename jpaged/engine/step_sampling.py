@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from jpaged.core.sequence import Request, SequenceState
+from jpaged.engine.scheduled_step import SampledRows
 from jpaged.runner.sampling_inputs import SamplingRow, SamplingTensors, logprobs_bucket
 from jpaged.sampling_params import SamplingParams
 
@@ -62,10 +63,9 @@ class StepSampling:
         # The previous step's static rows and their inputs: (row_seqs, tensors, num_rows, num_logprobs).
         self._static: tuple[list[SequenceState], SamplingTensors, int, int | None] | None = None
 
-    def inputs(
-        self, row_seqs: list[SequenceState], num_rows: int, all_static: bool, all_plain: bool
-    ) -> tuple[SamplingTensors, int | None]:
+    def inputs(self, rows: SampledRows, num_rows: int) -> tuple[SamplingTensors, int | None]:
         """The sampler's inputs for these rows (padded to `num_rows`), and the logprobs bucket."""
+        row_seqs, all_static, all_plain = rows.seqs, rows.all_static, rows.all_plain
         if all_plain:
             tensors = self._plain.get(num_rows)
             if tensors is None:

@@ -1,26 +1,18 @@
-"""Tokenizer glue: load the model's tokenizer, EOS ids and chat templates."""
+"""Tokenizer glue on the engine's side: what the engine needs of a tokenizer, chat templates, bad words."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
+from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The transformers tokenizer saved in an HF or orbax directory."""
-    from transformers import AutoTokenizer  # imported here: it pulls in torch where torch is installed
+class Tokenizer(Protocol):
+    """What the engine uses of a tokenizer (transformers' tokenizers have both; tests pass small fakes)."""
 
-    return AutoTokenizer.from_pretrained(str(path))
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
-
-def eos_token_ids(config_eos: Sequence[int], tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """Every id that ends generation: the model config's (and generation config's) plus the tokenizer's."""
-    ids = list(config_eos)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(ids)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ..., **kwargs) -> str: ...
 
 
 def apply_chat_template(
@@ -42,3 +34,21 @@ def apply_chat_template(
         **template_kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tokenize_bad_words(bad_words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """Token sequences to ban for each bad word, at the start of the text and mid-text (vLLM's rule).
+
+    A word tokenises differently with a leading space, so both forms are banned; the spaced form is kept
+    only when it really is a different word token of the same length (as vLLM's update_from_tokenizer).
+    """
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"bad_words entry {word!r} tokenises to no tokens")
+        sequences.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return sequences

@@ -9,13 +9,13 @@ import dataclasses
 import logging
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from jpaged.engine.tokenizer import eos_token_ids, load_tokenizer
 from jpaged.models.checkpoint import ORBAX_MARKER, restore_checkpoint
 from jpaged.models.config import ModelConfig
 from jpaged.models.default_model import default_model_path
@@ -118,3 +118,18 @@ def load_model(model: str | None = None, dtype=np.float32, *, progress: bool = T
         nbytes / 2**20,
     )
     return LoadedModel(config, params, tokenizer, source, seconds)
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The transformers tokenizer saved in an HF or orbax directory."""
+    from transformers import AutoTokenizer  # imported here: it pulls in torch where torch is installed
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(config_eos: Sequence[int], tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Every id that ends generation: the model config's (and generation config's) plus the tokenizer's."""
+    ids = list(config_eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)

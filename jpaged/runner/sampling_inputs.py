@@ -30,7 +30,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     seed: int  # the request's seed, or one the engine drew from its own seeded RNG
     eos_token_id: int | None = None  # banned together with stop_token_ids until min_tokens are generated
-    bad_words_token_ids: Sequence[Sequence[int]] = ()  # from sampling_params.tokenize_bad_words
+    bad_words_token_ids: Sequence[Sequence[int]] = ()  # from engine.tokenizer.tokenize_bad_words
 
 
 class SamplingTensors(NamedTuple):

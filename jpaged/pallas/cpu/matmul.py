@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.pallas.cpu import library
+from jpaged.rounding import cdiv
 
 PANEL = 16
 _TARGET = "jpaged_matmul"
@@ -54,7 +55,7 @@ def matmul(
     library.require()
     if panels.ndim == 3:
         panels = panels[None]
-    if x.ndim != 2 or panels.ndim != 4 or panels.shape[2] != x.shape[1] or panels.shape[1] != -(-n // PANEL):
+    if x.ndim != 2 or panels.ndim != 4 or panels.shape[2] != x.shape[1] or panels.shape[1] != cdiv(n, PANEL):
         raise ValueError(f"x {x.shape} and panels {panels.shape} do not make an [M, {n}] product")
     if x.dtype != panels.dtype or jnp.dtype(x.dtype) not in library.SUPPORTED_DTYPES:
         raise ValueError(f"x and panels must both be float32 or bfloat16, got {x.dtype} and {panels.dtype}")

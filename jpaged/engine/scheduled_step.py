@@ -1,0 +1,84 @@
+"""One step as the engine hands it on: the scheduled sequences, the rows they sample, and the plain schedule the
+runner pads (runner.step_batch.StepSchedule), gathered in one pass over the scheduler's plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jpaged.core.sequence import SequenceState
+from jpaged.runner.sampling_inputs import logprobs_bucket
+from jpaged.runner.step_batch import StepSchedule
+
+
+@dataclass(slots=True)
+class SampledRows:
+    """The sequence of every sampled row (a request's first token fans out to n rows, all its sequence's), and
+    whether every row has static sampling inputs, and is plain greedy (see Request)."""
+
+    seqs: list[SequenceState] = field(default_factory=list)
+    all_static: bool = True
+    all_plain: bool = True
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    seqs: list[SequenceState]  # seqs[i] computes num_new_tokens[i] tokens from its num_computed_tokens on
+    num_new_tokens: list[int]
+    rows: SampledRows
+    prompt_logprob_seqs: list[int]  # scheduled indices that compute prompt logprobs this step
+    schedule: StepSchedule
+    num_first_prompt_tokens: int  # prompt tokens of the requests getting their first token
+
+
+def scheduled_step(
+    seqs: list[SequenceState],
+    num_new_tokens: list[int],
+    block_tables: np.ndarray,
+    copies: list[tuple[int, int]],
+) -> ScheduledStep:
+    """The step of these scheduled sequences (block table of seqs[i] in row i of `block_tables`)."""
+    row_seqs: list[SequenceState] = []
+    sample_rows: list[int] = []
+    prompt_logprob_seqs: list[int] = []
+    all_static = all_plain = True
+    num_first_prompt_tokens = 0
+    for i, seq in enumerate(seqs):  # every running sequence, every step: kept lean
+        request = seq.request
+        if request.prompt_logprobs is not None and computes_prompt_logprobs(seq):
+            prompt_logprob_seqs.append(i)
+        num_tokens = len(seq.token_ids)
+        if seq.num_computed_tokens + num_new_tokens[i] != num_tokens:
+            continue  # a prefill chunk short of the prompt's end samples nothing
+        all_static = all_static and request.static_sampling
+        all_plain = all_plain and request.plain_greedy
+        sample_rows.append(i)
+        row_seqs.append(seq)
+        if num_tokens == len(request.prompt_token_ids):  # first token: n samples, or a beam's proposals
+            if seq.index == 0:
+                num_first_prompt_tokens += num_tokens
+            for _ in range(1, seq.num_sample_rows):
+                sample_rows.append(i)
+                row_seqs.append(seq)
+    rows = SampledRows(row_seqs, all_static, all_plain)
+    schedule = StepSchedule(
+        [seq.token_ids for seq in seqs],
+        [seq.num_computed_tokens for seq in seqs],
+        num_new_tokens,
+        block_tables,
+        sample_rows,
+        copies,
+        [(i, seqs[i].request.prompt_token_ids) for i in prompt_logprob_seqs],
+        logprobs_bucket(seqs[i].request.params.prompt_logprobs for i in prompt_logprob_seqs),
+    )
+    return ScheduledStep(seqs, num_new_tokens, rows, prompt_logprob_seqs, schedule, num_first_prompt_tokens)
+
+
+def computes_prompt_logprobs(seq: SequenceState) -> bool:
+    """Whether this sequence still has prompt positions whose logprobs are owed (its request asked for them)."""
+    return (
+        seq.request.prompt_logprobs is not None
+        and seq.index == 0
+        and seq.num_computed_tokens < seq.num_prompt_tokens - 1
+    )

@@ -1,0 +1,67 @@
+"""What an engine settles before its first step: the model's dtype (after telling the accelerator's allocator how
+much memory it may take) and how many KV blocks, device and host, fit."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.config import EngineConfig
+from jpaged.core.kv_cache_sizing import (
+    check_max_model_len_fits,
+    configure_accelerator_allocator,
+    determine_num_blocks,
+    kv_bytes_per_token,
+    startup_summary,
+)
+from jpaged.models.loader import LoadedModel
+from jpaged.runner.model_runner import activation_peak_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def model_dtype(config: EngineConfig) -> np.dtype:
+    """The dtype `config.dtype` means on this platform (auto: float32 on CPU, bfloat16 on accelerators). Sets up
+    the accelerator's allocator first: it must be configured before JAX initialises its backend."""
+    configure_accelerator_allocator(config.gpu_memory_utilization)
+    platform = jax.default_backend()
+    return jnp.dtype(
+        {"auto": np.float32 if platform == "cpu" else "bfloat16"}.get(config.dtype, config.dtype)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSize:
+    num_blocks: int  # device blocks, the null block 0 included
+    num_swap_blocks: int  # host slots for swapped-out blocks
+
+
+def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) -> KVCacheSize:
+    """Blocks for the pool (explicit num_blocks, else the device's memory on an accelerator less the weights and
+    the step's activation peak, else kv_cache_memory on CPU) and for swap space; fails at start-up when one
+    max_model_len sequence cannot fit."""
+    mc, params = model.config, model.params
+    dtype_bytes = jnp.dtype(params["embed"].dtype).itemsize
+    bytes_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_bytes)
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    peak = 0
+    if stats and config.num_blocks is None:
+        peak = activation_peak_bytes(config, mc, params, max_model_len)
+    num_blocks = determine_num_blocks(
+        block_size=config.block_size,
+        bytes_per_token=bytes_per_token,
+        num_blocks=config.num_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        device_memory=stats.get("bytes_limit") if stats else None,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(params)),
+        activation_peak_bytes=peak,
+    )
+    check_max_model_len_fits(num_blocks, config.block_size, max_model_len)
+    logger.info(startup_summary(num_blocks, config.block_size, bytes_per_token, max_model_len))
+    num_swap_blocks = int(config.swap_space * 2**30 // (bytes_per_token * config.block_size))
+    return KVCacheSize(num_blocks, num_swap_blocks)

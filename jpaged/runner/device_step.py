@@ -1,0 +1,61 @@
+"""The device step as one pure function of (params, KV cache, batch, sampling inputs): copy-on-write block
+copies, the model, then sampling. The runner jits it once per shape bucket with the cache donated."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jpaged.models.config import ModelConfig
+from jpaged.models.llama import KVCache, MatrixProducts, forward
+from jpaged.runner.sampler import gather_logprobs, sample
+
+
+def device_step(
+    params,
+    kv_cache,
+    batch,
+    sampling,
+    copies,
+    prompt_targets,
+    *,
+    config,
+    attention,
+    products,
+    num_logprobs,
+    num_prompt_logprobs,
+):
+    """With `prompt_targets` [T] (the prompt-logprobs variant), the batch asks for the logits of every token after
+    the S sampled rows, and the logprobs of each token's next prompt token come back too."""
+    kv_cache = copy_blocks(kv_cache, copies)
+    logits, kv_cache = forward(params, kv_cache, batch, config=config, attention=attention, products=products)
+    num_rows = sampling.temperature.shape[0]
+    sampled = sample(logits[:num_rows], sampling, num_logprobs=num_logprobs)
+    if prompt_targets is None:
+        return kv_cache, sampled, None
+    return kv_cache, sampled, gather_logprobs(logits[num_rows:], prompt_targets, num_prompt_logprobs)
+
+
+def bind_step(config: ModelConfig, attention: Callable, products: MatrixProducts) -> Callable:
+    """`device_step` for one model, attention implementation and weight layout (all static)."""
+    return functools.partial(device_step, config=config, attention=attention, products=products)
+
+
+def copy_blocks(kv_cache: KVCache, copies: jax.Array) -> KVCache:
+    """Copy block src to block dst, all layers, for each (src, dst) row of `copies` [S, 2] up to the first padding
+    row (dst 0, the null block). A loop over the real copies only: most steps have none, and a batched gather and
+    scatter of all S rows would move every row's blocks to copy nothing."""
+
+    def copy(i: jax.Array, cache: KVCache) -> KVCache:
+        src, dst = copies[i, 0], copies[i, 1]
+        return KVCache(*(pages.at[:, dst].set(pages[:, src]) for pages in cache))
+
+    return jax.lax.fori_loop(0, jnp.sum(copies[:, 1] > 0), copy, kv_cache)
+
+
+def scatter_blocks(kv_cache: KVCache, ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """Blocks `ids` of every layer set to k, v [L, len(ids), B, Hk, D] (swap-in, and copies outside a step)."""
+    return KVCache(kv_cache.k.at[:, ids].set(k), kv_cache.v.at[:, ids].set(v))

@@ -1,0 +1,129 @@
+"""From a plain schedule to the padded batch the device step takes (host side, numpy only).
+
+This is the boundary between the engine and the device: `StepSchedule` says what runs, in plain lists and arrays
+(no host-core objects); `pad_batch` pads it to its shape bucket as a `StepBatch` (models.llama), padding tokens
+writing to the null block 0 and padding rows sampling nothing anyone reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jpaged.models.llama import StepBatch
+from jpaged.runner.step_shapes import StepShapes
+
+
+@dataclass(slots=True)
+class StepSchedule:
+    """One step's work: scheduled sequence i computes `num_new_tokens[i]` of its `token_ids[i]` (prompt then
+    output) from `num_computed[i]` on, through row i of `block_tables` [S', W] (padded with the null block 0)."""
+
+    token_ids: list[list[int]]
+    num_computed: list[int]
+    num_new_tokens: list[int]
+    block_tables: np.ndarray
+    sample_rows: list[int]  # the scheduled index of each sampled row (a first token fans out to n rows)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
+    # Sequences that compute prompt logprobs: (scheduled index, its prompt's token ids), and the top-K width.
+    prompt_logprob_seqs: list[tuple[int, Sequence[int]]] = field(default_factory=list)
+    num_prompt_logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A schedule as padded device inputs. With prompt logprobs, `prompt_targets` [T] holds each token's next
+    prompt token (the target of its logprob) and the batch asks for every token's logits after the sampled rows."""
+
+    batch: StepBatch
+    copies: np.ndarray  # [S, 2] int32, (src, dst) rows up to the first (0, 0)
+    prompt_targets: np.ndarray | None = None
+    num_prompt_logprobs: int | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the sampler takes: the sequence bucket S."""
+        return self.batch.kv_lens.shape[0]
+
+
+def pad_batch(schedule: StepSchedule, shapes: StepShapes, block_size: int, table_width: int) -> PreparedStep:
+    """The schedule padded to its (T, S) bucket, block tables to `table_width` columns."""
+    num_new_tokens, computed_counts = schedule.num_new_tokens, schedule.num_computed
+    num_seqs, sample_rows = len(num_new_tokens), schedule.sample_rows
+    num_new = np.array(num_new_tokens, np.int32)
+    computed = np.array(computed_counts, np.int32)
+    num_tokens = sum(num_new_tokens)
+    t_bucket, s_bucket = shapes.shape_for(num_tokens, max(num_seqs, len(sample_rows)))
+    query_start = np.full(s_bucket + 1, num_tokens, np.int32)
+    query_start[0] = 0
+    np.cumsum(num_new, out=query_start[1 : num_seqs + 1])
+    token_ids = np.zeros(t_bucket, np.int32)
+    positions = np.zeros(t_bucket, np.int32)
+    if num_tokens == num_seqs and max(num_new_tokens, default=0) == 1:  # decodes only: one token each
+        seq_of_token = np.arange(num_seqs)
+        positions[:num_tokens] = computed
+        token_ids[:num_tokens] = [ids[c] for ids, c in zip(schedule.token_ids, computed_counts, strict=True)]
+    else:
+        seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+        positions[:num_tokens] = np.arange(num_tokens) - query_start[seq_of_token] + computed[seq_of_token]
+        chunks = (
+            ids[c : c + n]
+            for ids, c, n in zip(schedule.token_ids, computed_counts, num_new_tokens, strict=True)
+        )
+        token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(chunks), np.int32, num_tokens)
+    tables = np.zeros((s_bucket, table_width), np.int32)
+    width = min(schedule.block_tables.shape[1], table_width)  # columns past the table width are padding
+    tables[:num_seqs, :width] = schedule.block_tables[:, :width]
+    slot_mapping = np.zeros(t_bucket, np.int32)
+    live = positions[:num_tokens]
+    slot_mapping[:num_tokens] = tables[seq_of_token, live // block_size] * block_size + live % block_size
+    kv_lens = np.zeros(s_bucket, np.int32)
+    kv_lens[:num_seqs] = computed + num_new
+    logits_indices = np.zeros(s_bucket, np.int32)
+    logits_indices[: len(sample_rows)] = query_start[np.asarray(sample_rows, np.int32) + 1] - 1
+    num_logits = len(sample_rows)
+    prompt_targets = None
+    if schedule.prompt_logprob_seqs:
+        num_logits = s_bucket + t_bucket  # the sampled rows' padding included
+        logits_indices = np.concatenate([logits_indices, np.arange(t_bucket, dtype=np.int32)])
+        prompt_targets = np.zeros(t_bucket, np.int32)
+        for i, prompt in schedule.prompt_logprob_seqs:
+            start, first = query_start[i], computed[i]
+            # Tokens at positions first .. len(prompt) - 2 have a next prompt token; the last one has none.
+            count = max(0, min(int(num_new[i]), len(prompt) - 1 - first))
+            prompt_targets[start : start + count] = prompt[first + 1 : first + 1 + count]
+    batch = StepBatch(
+        token_ids,
+        positions,
+        slot_mapping,
+        tables,
+        query_start,
+        kv_lens,
+        np.array([num_seqs], np.int32),
+        logits_indices,
+        np.array([num_logits], np.int32),
+    )
+    copies = np.zeros((s_bucket, 2), np.int32)
+    if schedule.copies:
+        copies[: len(schedule.copies)] = schedule.copies
+    return PreparedStep(batch, copies, prompt_targets, schedule.num_prompt_logprobs)
+
+
+def dummy_batch(num_tokens: int, num_seqs: int, table_width: int) -> StepBatch:
+    """A batch of these shapes with no live sequence: every token writes to the null block 0."""
+    zeros = functools.partial(np.zeros, dtype=np.int32)
+    return StepBatch(
+        zeros(num_tokens),
+        zeros(num_tokens),
+        zeros(num_tokens),
+        zeros((num_seqs, table_width)),
+        zeros(num_seqs + 1),
+        zeros(num_seqs),
+        np.array([0], np.int32),
+        zeros(num_seqs),
+        np.array([0], np.int32),
+    )
