@@ -54,7 +54,8 @@ def main() -> None:
     from jpaged.config import EngineConfig
     from jpaged.engine.llm_engine import LLMEngine
     from jpaged.models.loader import load_model
-    from jpaged.runner.sampler import SamplerOutput
+    from jpaged.runner.model_runner import StepOutput
+    from jpaged.runner.sampling_inputs import SamplerOutput
     from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
     model = load_model(None, progress=False)
@@ -76,9 +77,9 @@ def main() -> None:
             engine = LLMEngine(config, model=model)
             timings: dict[str, list[float]] = {"schedule": [], "prepare": []}
 
-            def stub_execute(batch, sampling, copies, num_logprobs, *rest, **kwargs):
-                rows = batch.kv_lens.shape[0]
-                return SamplerOutput(rng.integers(100, 40000, rows).astype(np.int32), None, None, None), None
+            def stub_execute(prepared, sampling, num_logprobs):
+                tokens = rng.integers(100, 40000, prepared.num_rows).astype(np.int32)
+                return StepOutput(SamplerOutput(tokens, None, None, None))
 
             engine.scheduler.schedule = timed(timings["schedule"], engine.scheduler.schedule)
             engine.runner.prepare = timed(timings["prepare"], engine.runner.prepare)

@@ -52,8 +52,8 @@ def sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: int 
     """SamplingParams for one prompt of `request`; ValueErrors become 400s naming the field.
 
     A stream asks the engine for DELTA outputs (only what is new: no copy of the growing token list and text every
-    step), a whole response for FINAL_ONLY (one output, its text decoded once at the end: at 256 running requests
-    ~1 ms of host time a step instead of ~6, scripts/bench_overhead.py)."""
+    step), a whole response for FINAL_ONLY (one output, its text decoded once at the end: a fraction of the host
+    time a step, README's scripts/bench_overhead.py table)."""
     if request.use_beam_search:
         raise APIError(400, "use_beam_search is supported on /v1/completions only", "use_beam_search")
     if request.stream_options is not None and not request.stream:

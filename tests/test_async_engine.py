@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
+from engine_gate import EngineGate, wait_until
 
 from jpaged.config import EngineConfig
 from jpaged.engine.async_engine import AsyncLLMEngine
@@ -51,14 +53,16 @@ def test_invalid_prompt_raises_before_anything_is_queued(engine):
 
 
 def test_abort_from_outside_ends_the_stream_and_frees_blocks(engine):
-    async def main():
+    async def main(gate: EngineGate):
         stream = engine.generate([5, 6, 7], LONG, "victim")
         first = await anext(stream)
         engine.abort("victim")
+        gate.release()
         rest = [o async for o in stream]
         return first, rest
 
-    first, rest = asyncio.run(main())
+    with EngineGate(engine, steps=1) as gate:  # the request cannot finish before the abort, on any machine
+        first, rest = asyncio.run(main(gate))
     assert not first.finished
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     assert len(rest[-1].outputs[0].token_ids) < 200
@@ -70,25 +74,41 @@ def test_a_consumer_that_stops_early_aborts_its_request(engine):
         stream = engine.generate([9, 9, 9], LONG, "leaver")
         await anext(stream)
         await stream.aclose()  # what a client disconnect does to the server's consumer
-        for _ in range(100):
-            if engine.metrics()["kv_cache_usage_perc"] == 0.0:
-                return True
-            await asyncio.sleep(0.05)
-        return False
 
-    assert asyncio.run(main())
+    with EngineGate(engine, steps=1) as gate:  # still running when its consumer stops, on any machine
+        asyncio.run(main())
+        assert gate.wait_for_aborts(1) == ["leaver"]
+    wait_until(lambda: engine.metrics()["kv_cache_usage_perc"] == 0.0, message="its blocks were not freed")
+
+
+def test_a_consumer_cancelled_while_its_request_is_being_added_aborts_it_once_it_is_in(engine):
+    """Adding waits for the engine lock (a step in progress): a client can leave before its request is in."""
+
+    async def main(gate: EngineGate):
+        consumer = asyncio.ensure_future(anext(engine.generate([3, 3, 3], LONG, "early")))
+        with engine._lock:  # what a running step does to the thread adding the request
+            await asyncio.sleep(0)  # the consumer now waits for its request to be added
+            consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await consumer
+        return await asyncio.to_thread(gate.wait_for_aborts, 1)
+
+    with EngineGate(engine) as gate:  # nothing runs before the abort, on any machine
+        assert asyncio.run(main(gate)) == ["early"]
+    wait_until(lambda: engine.num_unfinished == 0, message="the request was never aborted")
+    wait_until(lambda: engine.metrics()["kv_cache_usage_perc"] == 0.0, message="its blocks were not freed")
 
 
 def test_a_request_whose_event_loop_closed_is_aborted_and_the_engine_loop_lives_on(engine):
     """What a server's shutdown does to a stream it never finished reading: the loop closes under it."""
-    loop = asyncio.new_event_loop()
-    stream = engine.generate([4, 4, 4], LONG, "orphan")
-    loop.run_until_complete(anext(stream))
-    loop.close()
-    deadline = time.monotonic() + 30
-    while engine.metrics()["kv_cache_usage_perc"] > 0.0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine.metrics()["kv_cache_usage_perc"] == 0.0
+    with EngineGate(engine, steps=1) as gate:  # still running when its loop closes, on any machine
+        loop = asyncio.new_event_loop()
+        stream = engine.generate([4, 4, 4], LONG, "orphan")
+        loop.run_until_complete(anext(stream))
+        loop.close()
+        gate.release()
+        assert gate.wait_for_aborts(1) == ["orphan"]  # by the engine loop, which had nowhere to deliver
+    wait_until(lambda: engine.metrics()["kv_cache_usage_perc"] == 0.0, message="its blocks were not freed")
     assert engine.is_alive and engine.num_unfinished == 0
 
 

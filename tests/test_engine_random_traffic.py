@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from engine_driver import run_requests
 
-from jpaged import model_runner
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
+from jpaged.runner import model_runner
 from jpaged.sampling_params import SamplingParams
 
 

@@ -60,3 +60,19 @@ def test_a_preempted_sequence_is_recomputed_after_the_others_and_frees_its_block
     victim = scheduler.waiting[0]
     assert victim.seq_id == 2 and victim.status is SequenceStatus.WAITING and victim.num_computed_tokens == 0
     assert scheduler.num_preemptions == 1
+
+
+def test_a_requeued_running_sequence_frees_its_blocks_and_waits_to_start_over():
+    scheduler = make()
+    first, second = request(1, 12), request(2, 12)
+    for seq in (first, second):
+        scheduler.add(seq)
+    run_step(scheduler)
+    free_before = scheduler.blocks.num_free_blocks
+    scheduler.requeue(first)
+    assert first.status is SequenceStatus.WAITING and first.num_computed_tokens == 0
+    assert list(scheduler.waiting) == [first] and scheduler.running == [second]
+    assert scheduler.blocks.num_free_blocks == free_before + 2  # its two blocks (12 tokens + 1, blocks of 8)
+    scheduler.finish(second)
+    scheduler.finish(first)
+    assert scheduler.blocks.num_free_blocks == scheduler.blocks.num_total_blocks  # every usable block

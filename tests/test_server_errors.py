@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from engine_gate import EngineGate, wait_until
 from jpaged_server.api_server import build_app
 from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
@@ -152,18 +153,23 @@ def test_server_keeps_serving_after_bad_requests(http):
 def test_past_the_waiting_cap_new_requests_are_503(http, engine):
     capacity = engine.engine.config.max_num_seqs  # max_waiting_requests=0
     body = {"prompt": [1], "max_tokens": 250, "ignore_eos": True, "temperature": 0, "stream": True}
-    streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(capacity)]
-    try:
-        # Keep each line iterator referenced: dropping one closes its connection, which aborts the request.
-        lines = [stream.__enter__().iter_lines() for stream in streams]
-        for line_iterator in lines:
-            next(line_iterator)  # admitted and generating
-        assert_error(
-            http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}), 503, None, "overloaded"
-        )
-    finally:
-        for stream in streams:
-            stream.__exit__(None, None, None)
+    with EngineGate(engine) as gate:  # no step: however fast the machine, none of them finishes meanwhile
+        streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(capacity)]
+        try:
+            for stream in streams:
+                stream.__enter__()  # admitted: its engine request is added as the response body starts
+            wait_until(
+                lambda: engine.num_unfinished == capacity, message="the requests never reached the engine"
+            )
+            assert_error(
+                http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}), 503, None, "overloaded"
+            )
+        finally:
+            for stream in streams:
+                stream.__exit__(None, None, None)
+        gate.wait_for_aborts(capacity)
+    # Nothing left for the next test (other modules share this engine): the closed streams were aborted.
+    wait_until(lambda: engine.num_unfinished == 0, message="closed streams left requests running")
 
 
 class _DeadEngine:

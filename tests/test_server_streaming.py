@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +14,7 @@ import time
 
 import httpx
 import pytest
+from engine_gate import EngineGate
 from jpaged_server.api_server import build_app
 from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
@@ -23,7 +26,7 @@ LONG = {
     "max_tokens": 250,
     "ignore_eos": True,
     "temperature": 0,
-}  # runs for seconds if not aborted
+}  # an abort shows as fewer tokens generated than this
 
 
 @pytest.fixture(scope="module")
@@ -78,18 +81,33 @@ def test_stream_is_data_events_then_done_with_usage_only_when_asked(server, incl
 
 def test_client_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(server, engine):
     before = engine.metrics()["generation_tokens"]
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**LONG, "stream": True}) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
-        assert engine.metrics()["kv_cache_usage_perc"] > 0
+    url, body = f"{server.base_url}/v1/completions", {**LONG, "stream": True}
+    with EngineGate(engine, steps=1) as gate:  # one step for the first event, then none: it cannot finish
+        with httpx.stream("POST", url, json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert engine.metrics()["kv_cache_usage_perc"] > 0
+        gate.wait_for_aborts(1)
     after = wait_until_idle(engine)
     assert after["generation_tokens"] - before < LONG["max_tokens"]  # stopped early: aborted, not finished
 
 
 def test_client_disconnect_while_waiting_for_a_whole_response_aborts_it(server, engine):
+    """The client gives up while the held engine cannot have finished, so the request must be aborted."""
+
+    async def post_and_give_up(gate: EngineGate) -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            post = asyncio.create_task(client.post("/v1/completions", json=LONG))
+            assert await asyncio.to_thread(gate.parked.wait, 60), "the request never reached the engine"
+            assert not post.done(), post  # still waiting for its whole response
+            post.cancel()  # the client gives up: its connection closes
+            with contextlib.suppress(asyncio.CancelledError):
+                await post
+
     before = engine.metrics()["generation_tokens"]
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/v1/completions", json=LONG, timeout=httpx.Timeout(10, read=0.5))
+    with EngineGate(engine) as gate:
+        asyncio.run(post_and_give_up(gate))
+        gate.wait_for_aborts(1)
     after = wait_until_idle(engine)
     assert after["generation_tokens"] - before < LONG["max_tokens"]
 
@@ -102,7 +120,10 @@ def wait_for_status(url: str, status: int, timeout: float = 10.0) -> None:
 
 
 def test_drain_refuses_new_requests_and_finishes_in_flight_ones(engine):
-    with serve_in_thread(build_app(engine, MODEL), grace_period=30) as running:
+    with (
+        serve_in_thread(build_app(engine, MODEL), grace_period=30) as running,
+        EngineGate(engine, steps=1) as gate,  # the request is still in flight when the drain begins
+    ):
         body = {"prompt": [1], "max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{running.base_url}/v1/completions", json=body) as response:
             lines = response.iter_lines()
@@ -111,6 +132,7 @@ def test_drain_refuses_new_requests_and_finishes_in_flight_ones(engine):
             wait_for_status(f"{running.base_url}/health", 503)
             refused = httpx.post(f"{running.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
             assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            gate.release()
             payloads = events([first, *lines])
         assert payloads[-1] == "[DONE]"
         chunks = [json.loads(p) for p in payloads[:-1]]
@@ -126,7 +148,9 @@ def test_drain_refuses_new_requests_and_finishes_in_flight_ones(engine):
 def test_grace_period_end_aborts_in_flight_streams_with_an_error_event(engine):
     body = {**LONG, "stream": True}
     before = engine.metrics()["generation_tokens"]
+    # The engine held after the first event: the request outlasts the grace period, however fast the machine.
     with (
+        EngineGate(engine, steps=1) as gate,
         serve_in_thread(build_app(engine, MODEL), grace_period=0.2) as running,
         httpx.stream("POST", f"{running.base_url}/v1/completions", json=body) as response,
     ):
@@ -134,6 +158,7 @@ def test_grace_period_end_aborts_in_flight_streams_with_an_error_event(engine):
         first = next(lines)
         running.server.request_shutdown()
         payloads = events([first, *lines])
+        gate.wait_for_aborts(1)
     assert payloads[-1] == "[DONE]"
     error = json.loads(payloads[-2])["error"]
     assert error["code"] == 503 and "shutting down" in error["message"]

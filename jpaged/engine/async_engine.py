@@ -61,7 +61,8 @@ class AsyncLLMEngine:
         """Outputs of one request as it progresses (as its params.output_kind says), the last with `finished=True`.
 
         Validation errors raise ValueError before anything is queued. If the consumer stops early (a client
-        disconnect cancels it), the request is aborted before the engine's next step.
+        disconnect cancels it), the request is aborted before the engine's next step, even when that happens
+        while the request is still being added.
         """
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
@@ -73,7 +74,12 @@ class AsyncLLMEngine:
                 self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
                 self._streams[request_id] = (loop, queue)
 
-        await asyncio.to_thread(add)
+        adding = asyncio.ensure_future(asyncio.to_thread(add))
+        try:
+            await asyncio.shield(adding)  # the thread adds it whatever happens to this consumer
+        except asyncio.CancelledError:  # a consumer gone while its request was being added: abort it once in
+            adding.add_done_callback(lambda done: done.exception() or self.abort(request_id))
+            raise
         self._wake.set()
         finished = False
         try:

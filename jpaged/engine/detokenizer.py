@@ -24,7 +24,7 @@ REPLACEMENT_CHAR = "\ufffd"  # what decode makes of an incomplete UTF-8 sequence
 
 def decoder_for(tokenizer: Tokenizer, params: SamplingParams) -> Callable[[list[int]], str]:
     """`tokenizer.decode` with the params' options and no clean-up. For transformers' Rust-backed tokenizers
-    that is exactly the Rust tokenizer's own decode, called directly: it skips ~8 us of Python per call, and
+    that is exactly the Rust tokenizer's own decode, called directly: it skips transformers' Python per call, and
     streaming decodes twice per token."""
     skip = params.skip_special_tokens
     if _is_plain_tokenizers_backend(tokenizer):

@@ -1,8 +1,8 @@
 """GGUF files are converted once: the result (float32 params as safetensors, the config, the tokenizer) is kept
 under $JPAGED_CACHE_DIR (default ~/.cache/jpaged)/gguf, keyed by the file's path, size and modification time.
 
-Parsing a GGUF's metadata (a 49k-entry vocabulary) and dequantising its tensors takes ~10 s for the 135M default
-model on the 2-core CPU; reading the converted copy back takes about one. A read-only or full cache directory only
+Parsing a GGUF's metadata (a 49k-entry vocabulary) and dequantising its tensors takes many times longer than
+reading the converted copy back (README: loading the default model). A read-only or full cache directory only
 costs the conversion next time.
 """
 

@@ -23,11 +23,10 @@ import jax.numpy as jnp
 from jpaged.pallas.common import NEG_INF
 from jpaged.rounding import cdiv
 
-# Prefill query rows per loop iteration: with 128, a 512-token prefill step of SmolLM2 on CPU ran ~10% faster than
-# with 32 (a quarter of the iterations, each a bigger dot); a partial tile's padding rows cost little next to that.
+# Prefill query rows per loop iteration: fewer iterations, each a bigger dot; a partial tile's padding rows cost
+# little next to that (measured: scripts/KERNELS.md, "Choices in the code").
 _QUERY_TILE = 128
-# KV tokens gathered per online-softmax iteration. Small chunks keep the gathered pages in cache: on CPU a decode
-# step over 64 sequences of 160 tokens (SmolLM2 shapes, 30 layers) ran ~3x faster with 32-token chunks than with 256.
+# KV tokens gathered per online-softmax iteration. Small chunks keep the gathered pages in cache (KERNELS.md).
 _LAST_ROW_CHUNK_TOKENS = 32
 _TILE_CHUNK_TOKENS = 256
 

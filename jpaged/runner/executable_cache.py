@@ -1,7 +1,7 @@
 """Compiled step programs kept on disk, so a restart skips tracing, lowering and compiling them.
 
-JAX's persistent compilation cache skips XLA's compile, but every step shape is still traced and lowered first
-(~0.7 s a shape for SmolLM2's 30 layers on the 2-core CPU: most of a warm start). Here the compiled executable
+JAX's persistent compilation cache skips XLA's compile, but every step shape is still traced and lowered first,
+which was most of a warm start (README, bench_startup.py). Here the compiled executable
 itself is serialised (jax.experimental.serialize_executable) under a key that covers what the program depends
 on: the jpaged sources (C++ kernels included), the jax and jaxlib versions, the devices, XLA_FLAGS and the jax options that change
 lowering, and the step's own inputs (every argument's shape and dtype, the model config, static arguments). An
@@ -76,8 +76,8 @@ class ExecutableCache:
 def step_cache(directory: str | None) -> ExecutableCache:
     """Where compiled steps persist across restarts (`directory`, default ~/.cache/jpaged/xla).
 
-    On CPU, jpaged's executable cache: whole executables, so a restart skips tracing and lowering as well (SmolLM2's
-    22 step shapes: ~4 s instead of ~24 s). It replaces JAX's persistent compilation cache there, because an
+    On CPU, jpaged's executable cache: whole executables, so a restart skips tracing and lowering as well. It
+    replaces JAX's persistent compilation cache there, because an
     executable that came from that cache serialises again without some of its kernels (jaxlib 0.10: "Function
     wrapped_iota not found" when run). Elsewhere, or when the user chose JAX's cache directory, JAX's cache.
     """

@@ -2,7 +2,7 @@
 custom call. Same contract as reference.py.
 
 Pallas has no CPU backend, and in XLA the attention of a decode step gathers and transposes every page before its
-dots: ~1.9x the time of just reading the KV data (bench_decode_step). The kernel reads each page once, in place.
+dots: well over the time of just reading the KV data (README's bench_decode_step table). The kernel reads each page once, in place.
 
 It is built on first use with the other CPU kernels (library.py); where it cannot be built, `auto` falls back to
 the XLA reference.
@@ -23,7 +23,7 @@ _UNINITIALIZED_TARGET = "jpaged_uninitialized"
 
 def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
     """An array of `shape` that nothing has written: a KV pool for this kernel, which never reads a slot no sequence
-    owns. Zero-filling the default 4 GiB pool took 3.5-5 s of a 2-core CPU's start-up; untouched, its pages are
+    owns. Zero-filling the default 4 GiB pool is seconds of a CPU start-up (README); untouched, its pages are
     mapped in as blocks are first written."""
     library.require()
     return jax.jit(jax.ffi.ffi_call(_UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(shape, dtype)))()

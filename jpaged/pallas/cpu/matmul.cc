@@ -2,8 +2,8 @@
 // contract): out[m, n] = sum_k x[m, k] * w[k, n] for the first `rows` rows of x, with w given as panels of 16
 // columns, [L, P, K, 16], one layer of a stack picked by index.
 //
-// Why it exists: XLA's CPU dots of a decode step (8-64 rows against thousands of weight columns) reach 20-40% of
-// the machine's memory bandwidth, and padded rows cost as much as real ones. Here each panel streams through once
+// Why it exists: XLA's CPU dots of a decode step (8-64 rows against thousands of weight columns) reach a fraction
+// of the machine's memory bandwidth, and padded rows cost as much as real ones (README, bench_matmul.py). Here each panel streams through once
 // per call with a 6-row x 16-column block of accumulators in registers, rows past `rows` are skipped, and a
 // layer's matrix is read in place in the stack. Every output element is a sum over k in the same order whatever the
 // number of rows, so a row's result does not depend on what else is in the batch.
@@ -39,8 +39,8 @@ inline void StoreRow(V8 lo, V8 hi, uint16_t* out, int width) {
 
 // out[m][0:width] = x[m] . panel for MR rows: each row's x[m][k] broadcast against the panel's 16 columns.
 // The first block over a panel (kFirst) reads it from memory and asks for its rows kAhead steps early: the
-// hardware prefetcher alone left the 6-24-row products of a decode step ~10% slower (scripts/ab_cpu_kernels.py
-// matmul); later blocks find the panel in cache.
+// hardware prefetcher alone leaves decode-sized products waiting on memory (scripts/KERNELS.md); later blocks find
+// the panel in cache.
 template <int MR, bool kFirst, typename T, typename Out>
 inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, int width) {
   constexpr int kAhead = 16;

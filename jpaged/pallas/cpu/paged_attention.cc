@@ -2,9 +2,9 @@
 // contract, which is the same as reference.py's).
 //
 // Why it exists: in XLA the attention of a decode step gathers every sequence's pages into a fresh array and
-// transposes it before the dots, reading and writing the KV data ~3x over. Here each page is read once, in place,
-// with an online softmax per block of keys. Work items are (sequence, tile of query rows), shared among XLA's
-// CPU threads; each item's arithmetic depends only on its own sequence, so a row's output does not depend on what
+// transposes it before the dots, reading and writing the KV data several times over. Here each page is read once,
+// in place, with an online softmax per block of keys. Work items are (sequence, tile of query rows), shared among
+// XLA's CPU threads; each item's arithmetic depends only on its own sequence, so a row's output does not depend on what
 // else is in the batch.
 #include <cmath>
 #include <vector>
@@ -18,8 +18,7 @@ using namespace jpaged;
 constexpr float kNeg = -1e30f;  // finite "minus infinity", as in reference.py
 constexpr int kRowTile = 16;    // query rows per work item: a tile's keys stay in cache across its rows
 // Blocks whose K and V take at most this many bytes together are streamed in whole (see Touch). Bigger ones are
-// not: with 8 KV heads x 128 dims in float32 (128 KB) that measured ~5% slower, the lines leaving L1 before the
-// heads use them.
+// not: their lines leave L1 before the heads use them, which measured slower (scripts/KERNELS.md).
 constexpr int64_t kStreamBytes = 64 * 1024;
 
 struct Problem {
@@ -191,10 +190,8 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
     const T* k_block = k_layer + static_cast<int64_t>(block) * B * row_stride;
     const T* v_block = v_layer + static_cast<int64_t>(block) * B * row_stride;
     if (stream) Touch(k_block, v_block, block_bytes);
-    // Meanwhile the next block is requested, a head's share at a time. The two together took a 64 x 256 decode
-    // step's attention (SmolLM2's heads) from ~105 to ~65-75 ms; the Touch alone gave ~84, the prefetch alone ~105.
-    // With 4 KV heads x 128 dims (64 KB a block): ~32 -> ~28 ms for 32 sequences x 256, 8 layers (A/Bs by
-    // scripts/ab_cpu_kernels.py).
+    // Meanwhile the next block is requested, a head's share at a time: the heads' strided passes then find it in
+    // cache. Only the two together pay (scripts/KERNELS.md has the A/B by scripts/ab_cpu_kernels.py).
     const int next = b < last_pos / B ? table[b + 1] : -1;
     const bool prefetch = stream && next >= 0 && next < p.num_blocks;
     const int64_t next_offset = static_cast<int64_t>(prefetch ? next : 0) * B * row_stride;
