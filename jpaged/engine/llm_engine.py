@@ -7,6 +7,7 @@ its sequence (or its beam search) and says which requests have output due.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -30,6 +31,7 @@ from jpaged.outputs import RequestOutput
 from jpaged.runner.model_runner import ModelRunner, StepOutput
 from jpaged.runner.sampling_inputs import SamplerOutput
 from jpaged.runner.step_batch import PreparedStep
+from jpaged.runner.weight_layout import check_same_leaves, weights_spec
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             config, mc, self.model.params, size.num_blocks, self.max_model_len, size.num_swap_blocks
         )
+        # The runner holds the weights from here on; the engine keeps their shapes (what update_weights checks).
+        self.model = dataclasses.replace(self.model, params=weights_spec(self.model.params))
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.beams = BeamDriver(
             config,
@@ -88,6 +92,8 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. BeamSearchParams make it a beam search: its output comes once, when it is done."""
         params = params or SamplingParams()
+        if self.runner.asleep:
+            raise ValueError("the engine is asleep (sleep was called): call wake_up before adding requests")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -168,8 +174,36 @@ class LLMEngine:
 
     def warm_up_while_idle(self) -> bool:
         """For a loop with no request to step: run one step shape that has not run yet (see
-        ModelRunner.warmup), so no later request pays its first run; False once every shape has run."""
-        return self.runner.run_unrun_shape()
+        ModelRunner.warmup), so no later request pays its first run; False once every shape has run (or while
+        asleep)."""
+        return not self.runner.asleep and self.runner.run_unrun_shape()
+
+    # ---- weights and device memory, between generate calls ----
+
+    def update_weights(self, params: dict) -> None:
+        """Swap the model's weights in place (a params pytree in the loaders' layout: host or device arrays, e.g.
+        a trainer's). Every leaf keeps its shape and dtype, so nothing recompiles; the prefix cache is dropped,
+        since its KV came from the old weights."""
+        self._check_idle("update_weights")
+        check_same_leaves(self.model.params, params)
+        self.runner.update_weights(params)
+        self.blocks.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the KV pool's device memory back, and the weights' (level 1: a host copy is kept for wake_up;
+        level 2: none is, so update_weights comes before wake_up), for a trainer sharing the device."""
+        self._check_idle("sleep")
+        self.runner.sleep(level)
+        self.blocks.reset_prefix_cache()
+
+    def wake_up(self) -> None:
+        """Serve again after sleep: the pool (empty) and the weights back on the device; nothing recompiles."""
+        if self.runner.asleep:
+            self.runner.wake_up()
+
+    def _check_idle(self, what: str) -> None:
+        if self.requests:
+            raise ValueError(f"{what} needs an idle engine: {len(self.requests)} requests are unfinished")
 
     # ---- the loop ----
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.engine.tokenizer import apply_chat_template
+from jpaged.entrypoints.arrays import GeneratedArrays, is_array, pack_outputs, prompt_rows
+from jpaged.models.config import ModelConfig
+from jpaged.models.loader import LoadedModel, ModelSource
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -19,9 +23,29 @@ PromptType = str | Sequence[int]
 class LLM:
     """An engine for offline batches: every prompt goes in at once and continuous batching does the rest."""
 
-    def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+    def __init__(
+        self, model: str | None = None, *, _loaded: LoadedModel | None = None, **engine_args
+    ) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), model=_loaded)
         self._ids = itertools.count()
+
+    @classmethod
+    def from_params(cls, params: dict, model_config: ModelConfig, tokenizer, **engine_args) -> LLM:
+        """An engine over weights already in memory (host or device arrays in the loaders' layout, e.g. a
+        trainer's), with nothing written to disk."""
+        loaded = LoadedModel(model_config, params, tokenizer, ModelSource("params", Path()), 0.0)
+        return cls(_loaded=loaded, **engine_args)
+
+    def update_weights(self, params: dict) -> None:
+        """Swap the weights in place between generate calls; see LLMEngine.update_weights."""
+        self.engine.update_weights(params)
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back between generate calls; see LLMEngine.sleep."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     @property
     def tokenizer(self):
@@ -50,6 +74,29 @@ class LLM:
                     finals[id(p)] = _final_only(p)
             params = [finals[id(p)] for p in params]
         return self._add_and_run(prompts, params, use_tqdm)
+
+    def generate_arrays(
+        self,
+        token_ids,
+        lengths=None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        return_logprobs: bool = False,
+        pad_token_id: int = 0,
+    ) -> GeneratedArrays:
+        """`generate` with arrays in and out: prompts from a `[B, T]` array (row i's first `lengths[i]` tokens)
+        or a list of 1-D arrays; outputs as padded `[B, max_tokens]` device arrays, with the sampled tokens'
+        logprobs (of the raw logits, as vLLM's) when `return_logprobs`."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"n must be 1 for generate_arrays (one output row per prompt), got {params.n}")
+        if params.max_tokens is None:
+            raise ValueError("max_tokens must be set for generate_arrays: it is the outputs' width")
+        if return_logprobs and params.logprobs is None:
+            params = params.clone()
+            params.logprobs = 0  # the sampled token's own logprob
+        outputs = self.generate(prompt_rows(token_ids, lengths), params, use_tqdm=False)
+        return pack_outputs(outputs, params.max_tokens, pad_token_id, return_logprobs)
 
     def beam_search(
         self,
@@ -134,6 +181,10 @@ def _final_only(params: SamplingParams) -> SamplingParams:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str):
         return [prompts]
+    if is_array(prompts) and prompts.ndim == 1:
+        return [[int(t) for t in prompts]]  # one prompt's token ids
+    if is_array(prompts) or (prompts and all(is_array(p) for p in prompts)):
+        return prompt_rows(prompts)  # a [B, T] array, or a list of 1-D arrays
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids

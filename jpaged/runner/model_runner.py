@@ -63,14 +63,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
         self.dtype = jnp.dtype(params["embed"].dtype)
-        products = choose_products(params)
+        self.products = products = choose_products(params)
         self.params = jax.device_put(products.layout(params))
+        self._host_params = None  # the weights while asleep (sleep level 1)
         self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)
         self.attention_impl = resolve_attention_impl(
             config.attention_impl, head_dim=model_config.head_dim, dtype=self.dtype
         )
-        allocate = cpu_attention.uninitialized if self.attention_impl == "cpu" else jnp.zeros
-        self.kv_cache = init_kv_cache(model_config, num_blocks, config.block_size, self.dtype, allocate)
+        self.num_blocks = num_blocks
+        self.kv_cache = self._allocate_kv_cache()
         self.swap_space = None
         if config.preemption_mode == "swap" and num_swap_blocks:
             mc = model_config
@@ -208,6 +209,48 @@ class ModelRunner:
         step, tensors = next(iter(self._not_run.values()))
         self.execute(step, tensors, None)  # forgets the shape (_compiled_for)
         return True
+
+    # ---- weights and memory between steps ----
+
+    def _allocate_kv_cache(self) -> KVCache:
+        allocate = cpu_attention.uninitialized if self.attention_impl == "cpu" else jnp.zeros
+        mc = self.model_config
+        return init_kv_cache(mc, self.num_blocks, self.block_size, self.dtype, allocate)
+
+    def update_weights(self, params: dict) -> None:
+        """Run on these weights from the next step (the loaders' layout; the engine checks that they match the
+        compiled steps' inputs leaf for leaf, so nothing recompiles). Asleep, they wait in host memory."""
+        weights = self.products.layout(params)
+        if self.asleep:
+            self._host_params = jax.device_get(weights)
+        else:
+            self.params = jax.device_put(weights)
+
+    @property
+    def asleep(self) -> bool:
+        return self.kv_cache is None
+
+    def sleep(self, level: int) -> None:
+        """Give the device memory back: the KV pool is deleted; the weights are let go of (level 1 keeps a copy in
+        host memory for wake_up; level 2 keeps none, so update_weights must bring them back first). Arrays the
+        caller still holds (a trainer's own weights) stay theirs."""
+        if level not in (1, 2):
+            raise ValueError(
+                f"level must be 1 (keep the weights on the host) or 2 (drop them), got {level!r}"
+            )
+        for pages in self.kv_cache:
+            pages.delete()
+        self.kv_cache = None
+        self._host_params = jax.device_get(self.params) if level == 1 else None
+        self.params = None
+
+    def wake_up(self) -> None:
+        """The pool and the weights back on the device, in the shapes the compiled steps take."""
+        if self._host_params is None:
+            raise ValueError("the weights were dropped by sleep(level=2): call update_weights before wake_up")
+        self.params = jax.device_put(self._host_params)
+        self._host_params = None
+        self.kv_cache = self._allocate_kv_cache()
 
     # ---- KV blocks outside a step ----
 

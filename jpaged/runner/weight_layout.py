@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 
 from jpaged.models.llama import STACKED, MatrixProducts
 from jpaged.pallas.cpu import matmul as cpu_matmul
@@ -69,3 +70,29 @@ def choose_products(params: dict, layout: str = "auto") -> MatrixProducts:
     if layout == "stacked":
         return STACKED
     raise ValueError(f"layout must be 'auto', 'stacked' or 'panels', got {layout!r}")
+
+
+def weights_spec(params: dict) -> dict:
+    """The params' tree with each leaf's shape and dtype only (what the compiled steps depend on)."""
+    return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype), params)
+
+
+def check_same_leaves(current: dict, new: dict) -> None:
+    """New weights must be the engine's leaf for leaf (same paths, shapes, dtypes), so every compiled step still
+    takes them; raises ValueError naming the first leaf that differs."""
+    flatten = jax.tree_util.tree_flatten_with_path
+    ours = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(current)[0]}
+    theirs = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(new)[0]}
+    for path, leaf in ours.items():
+        if path not in theirs:
+            raise ValueError(f"params{path} is missing from the new weights")
+        other = theirs[path]
+        shape, dtype = np.shape(other), getattr(other, "dtype", None)
+        if shape != np.shape(leaf) or dtype != leaf.dtype:
+            raise ValueError(
+                f"params{path} is {dtype}{list(shape)} in the new weights, the engine's is {leaf.dtype}"
+                f"{list(np.shape(leaf))}: weights must keep every leaf's shape and dtype"
+            )
+    extra = next((path for path in theirs if path not in ours), None)
+    if extra is not None:
+        raise ValueError(f"params{extra} is not one of the engine's weights")
