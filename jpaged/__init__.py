@@ -10,6 +10,7 @@ import importlib
 _EXPORTS = {
     "LLM": "jpaged.entrypoints.llm",
     "generate": "jpaged.entrypoints.llm",
+    "GeneratedArrays": "jpaged.entrypoints.arrays",
     "LLMEngine": "jpaged.engine.llm_engine",
     "BeamSearchParams": "jpaged.sampling_params",
     "EngineConfig": "jpaged.config",

@@ -3,6 +3,10 @@ compile, token-id arrays in and padded device arrays out, device memory given ba
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -158,3 +162,12 @@ def test_after_a_deep_sleep_the_weights_come_back_through_update_weights(llm, ti
     llm.update_weights(tiny_llama.params)
     llm.wake_up()
     assert token_lists(llm) == before
+
+
+def test_the_rl_rollout_demo_trains_while_jpaged_generates_and_compiles_nothing_after_its_first_step():
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "scripts/rl_rollout_demo.py", "--steps", "3"]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| 2 |" in result.stdout  # every step ran
+    assert "compilations after the first step: 0" in result.stdout

@@ -59,3 +59,39 @@ def param_stats(params: dict) -> tuple[int, int]:
     """(number of parameters, bytes) of a params pytree."""
     leaves = jax.tree_util.tree_leaves(params)
     return sum(int(x.size) for x in leaves), sum(int(x.size) * x.dtype.itemsize for x in leaves)
+
+
+def random_params(config: ModelConfig, seed: int = 0, dtype=np.float32, std: float = 0.02) -> dict:
+    """Freshly initialised weights for `config` (normal with `std`, norms at one, biases at zero), built through
+    the same path as loaded ones: for research code that trains from scratch, demos and tests."""
+    rng = np.random.default_rng(seed)
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = {
+        "embed_tokens.weight": (v, d),
+        "lm_head.weight": (v, d),
+        "q_proj.weight": (q, d),
+        "k_proj.weight": (kv, d),
+        "v_proj.weight": (kv, d),
+        "o_proj.weight": (d, q),
+        "gate_proj.weight": (f, d),
+        "up_proj.weight": (f, d),
+        "down_proj.weight": (d, f),
+        "q_proj.bias": (q,),
+        "k_proj.bias": (kv,),
+        "v_proj.bias": (kv,),
+        "q_norm.weight": (config.head_dim,),
+        "k_norm.weight": (config.head_dim,),
+    }
+
+    def get(name: str) -> np.ndarray:
+        leaf = ".".join(name.split(".")[-2:])
+        if leaf.endswith("norm.weight") and leaf not in shapes:  # input/post-attention/final norms
+            return np.ones(d, np.float32)
+        if leaf.endswith("norm.weight"):
+            return np.ones(shapes[leaf], np.float32)
+        if leaf.endswith(".bias"):
+            return np.zeros(shapes[leaf], np.float32)
+        return (rng.standard_normal(shapes[leaf]) * std).astype(np.float32)
+
+    return params_from_hf_names(config, get, dtype, progress=False)
