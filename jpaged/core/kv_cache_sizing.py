@@ -104,6 +104,14 @@ def configure_accelerator_allocator(gpu_memory_utilization: float) -> dict[str, 
     }
 
 
+def allocator_share(platform: str, gpu_memory_utilization: float) -> float:
+    """The share of the allocator's byte limit the weights, activations and KV pool may fill. On GPU the limit
+    already is gpu_memory_utilization of the device (configure_accelerator_allocator set the allocator's memory
+    fraction before JAX started), so all of it: scaling it again would leave memory idle. On TPU the limit is the
+    whole device, so the fraction applies here."""
+    return 1.0 if platform == "gpu" else gpu_memory_utilization
+
+
 def startup_summary(num_blocks: int, block_size: int, bytes_per_token: int, max_model_len: int) -> str:
     """The one start-up log line that says what the KV cache holds."""
     usable = num_blocks - 1

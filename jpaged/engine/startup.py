@@ -12,6 +12,7 @@ import numpy as np
 
 from jpaged.config import EngineConfig
 from jpaged.core.kv_cache_sizing import (
+    allocator_share,
     check_max_model_len_fits,
     configure_accelerator_allocator,
     determine_num_blocks,
@@ -47,17 +48,17 @@ def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) 
     mc, params = model.config, model.params
     dtype_bytes = jnp.dtype(params["embed"].dtype).itemsize
     bytes_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_bytes)
-    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    platform, bytes_limit = device_memory()
     peak = 0
-    if stats and config.num_blocks is None:
+    if bytes_limit is not None and config.num_blocks is None:
         peak = activation_peak_bytes(config, mc, params, max_model_len)
     num_blocks = determine_num_blocks(
         block_size=config.block_size,
         bytes_per_token=bytes_per_token,
         num_blocks=config.num_blocks,
         kv_cache_memory=config.kv_cache_memory,
-        device_memory=stats.get("bytes_limit") if stats else None,
-        gpu_memory_utilization=config.gpu_memory_utilization,
+        device_memory=bytes_limit,
+        gpu_memory_utilization=allocator_share(platform, config.gpu_memory_utilization),
         weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(params)),
         activation_peak_bytes=peak,
     )
@@ -65,3 +66,13 @@ def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) 
     logger.info(startup_summary(num_blocks, config.block_size, bytes_per_token, max_model_len))
     num_swap_blocks = int(config.swap_space * 2**30 // (bytes_per_token * config.block_size))
     return KVCacheSize(num_blocks, num_swap_blocks)
+
+
+def device_memory() -> tuple[str, int | None]:
+    """The platform, and its allocator's byte limit on an accelerator (None on CPU, which sizes the pool from
+    kv_cache_memory)."""
+    platform = jax.default_backend()
+    if platform == "cpu":
+        return platform, None
+    stats = jax.devices()[0].memory_stats() or {}
+    return platform, stats.get("bytes_limit")

@@ -1,0 +1,36 @@
+"""What an engine settles before its first step, with the accelerator faked: how many KV blocks its memory holds."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jpaged.config import EngineConfig
+from jpaged.core.kv_cache_sizing import GIB, kv_bytes_per_token
+from jpaged.engine import startup
+
+PEAK = 64 << 20  # the step's activations, as activation_peak_bytes would measure them
+
+
+@pytest.mark.parametrize(("platform", "share"), [("gpu", 1.0), ("tpu", 0.9)])
+def test_the_memory_fraction_counts_once(monkeypatch, tiny_llama, platform, share):
+    """On GPU the allocator's limit already is gpu_memory_utilization of the device (set before JAX started), so
+    it is filled whole; a TPU's limit is the whole device, so the fraction applies to it."""
+    limit = 10 * GIB  # a GPU's: 0.9 of its memory; a TPU's: all of it
+    monkeypatch.setattr(startup, "device_memory", lambda: (platform, limit))
+    monkeypatch.setattr(startup, "activation_peak_bytes", lambda *args: PEAK)
+    config = EngineConfig(gpu_memory_utilization=0.9, max_model_len=128)
+    size = startup.size_kv_cache(config, tiny_llama, max_model_len=128)
+    mc = tiny_llama.config
+    block_bytes = config.block_size * kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, 4)
+    weights = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tiny_llama.params))
+    assert size.num_blocks == (int(limit * share) - weights - PEAK) // block_bytes
+
+
+def test_on_cpu_the_pool_is_sized_from_kv_cache_memory(tiny_llama):
+    config = EngineConfig(kv_cache_memory=GIB // 4, max_model_len=128)
+    mc = tiny_llama.config
+    block_bytes = config.block_size * kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, 4)
+    assert (
+        startup.size_kv_cache(config, tiny_llama, max_model_len=128).num_blocks == (GIB // 4) // block_bytes
+    )
