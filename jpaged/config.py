@@ -6,6 +6,9 @@ import dataclasses
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
+# (max_num_seqs, max_num_batched_tokens) where the config leaves them None: vLLM's on accelerators; on CPU smaller,
+# since every padded token of a step costs there and compiling many shapes is slow.
+PLATFORM_DEFAULTS = {"cpu": (64, 512), "gpu": (256, 8192), "tpu": (256, 8192)}
 # The attention implementations jpaged.pallas dispatches to; auto picks by platform.
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 
@@ -16,8 +19,8 @@ class EngineConfig:
 
     model: str | None = None  # path, GGUF file, orbax checkpoint dir, hub id; None = embedded SmolLM2
     max_model_len: int | None = None  # default: min(model's max positions, 2048)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int | None = None  # None: the platform's default (PLATFORM_DEFAULTS)
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes, CPU sizing
@@ -34,7 +37,10 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # compiled steps kept here; default ~/.cache/jpaged/xla
 
     def __post_init__(self) -> None:
-        _positive(self, "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
+        _positive(self, "block_size", "tensor_parallel_size")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -47,7 +53,9 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if None not in (self.max_num_seqs, self.max_num_batched_tokens) and (
+            self.max_num_batched_tokens < self.max_num_seqs
+        ):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
@@ -58,6 +66,14 @@ class EngineConfig:
         _one_of(self, "preemption_mode", PREEMPTION_MODES)
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "attention_impl", ATTENTION_IMPLS)
+
+    def for_platform(self, platform: str) -> EngineConfig:
+        """This config with the sizes it leaves None filled in for `platform` (PLATFORM_DEFAULTS); a size given
+        keeps its value, and the other one is raised to it if needed (tokens per step >= sequences)."""
+        default_seqs, default_tokens = PLATFORM_DEFAULTS.get(platform, PLATFORM_DEFAULTS["gpu"])
+        seqs = self.max_num_seqs or min(default_seqs, self.max_num_batched_tokens or default_seqs)
+        tokens = self.max_num_batched_tokens or max(default_tokens, seqs)
+        return dataclasses.replace(self, max_num_seqs=seqs, max_num_batched_tokens=tokens)
 
     def check_fan_out(self, name: str, value: int, why: str) -> None:
         """A request whose sequences (n samples, beams) must all run in one step needs at most max_num_seqs of

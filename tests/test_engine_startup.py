@@ -34,3 +34,26 @@ def test_on_cpu_the_pool_is_sized_from_kv_cache_memory(tiny_llama):
     assert (
         startup.size_kv_cache(config, tiny_llama, max_model_len=128).num_blocks == (GIB // 4) // block_bytes
     )
+
+
+@pytest.mark.parametrize(
+    ("platform", "given", "expected"),
+    [
+        ("cpu", {}, (64, 512)),
+        ("gpu", {}, (256, 8192)),
+        ("tpu", {}, (256, 8192)),
+        ("gpu", {"max_num_seqs": 32}, (32, 8192)),
+        ("cpu", {"max_num_batched_tokens": 32}, (32, 32)),  # a step must hold one token of every sequence
+        ("cpu", {"max_num_seqs": 1024}, (1024, 1024)),
+    ],
+)
+def test_batch_sizes_left_open_take_the_platforms_defaults(platform, given, expected):
+    config = EngineConfig(**given).for_platform(platform)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == expected
+
+
+def test_an_engine_on_cpu_runs_with_the_cpu_defaults(tiny_llama):
+    from jpaged.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(max_model_len=128, num_blocks=16, enforce_eager=True), model=tiny_llama)
+    assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (64, 512)

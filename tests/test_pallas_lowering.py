@@ -7,6 +7,7 @@ compiler does after that (Triton's PTX passes, Mosaic's layout passes in libtpu)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -45,9 +46,21 @@ def step_shapes(bucket: str, heads: tuple[int, int, int], dtype) -> list[jax.Sha
     ]
 
 
+# The GPU the cuda lowering targets: jax >= 0.11 lowers Pallas-Triton for a named GPU (its compute capability),
+# and a machine without one names it through an abstract device (jax 0.10 takes the same and needs none).
+TARGET_GPU = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+
+
 def export_text(fn, platform: str, args) -> str:
-    disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)] if platform == "cuda" else []
-    return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args).mlir_module()
+    disabled, target = [], contextlib.nullcontext()
+    if platform == "cuda":
+        disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+        target = jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=TARGET_GPU)
+        )
+    with target:
+        exported = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args)
+    return exported.mlir_module()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

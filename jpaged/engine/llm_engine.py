@@ -23,7 +23,7 @@ from jpaged.core.sequence import Request, SequenceState
 from jpaged.engine.beam_driver import BeamDriver
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.scheduled_step import ScheduledStep, scheduled_step
-from jpaged.engine.startup import model_dtype, size_kv_cache
+from jpaged.engine.startup import for_this_platform, size_kv_cache
 from jpaged.engine.step_sampling import StepSampling, has_static_sampling, is_plain_greedy, sample_seed_for
 from jpaged.engine.tokenizer import tokenize_bad_words
 from jpaged.models.loader import LoadedModel, load_model
@@ -45,8 +45,8 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig | None = None, *, model: LoadedModel | None = None, **engine_args
     ):
-        self.config = config = config or EngineConfig(**engine_args)
-        dtype = model_dtype(config)
+        config, dtype = for_this_platform(config or EngineConfig(**engine_args))
+        self.config = config
         self.model = model or load_model(config.model, dtype)
         self.model_config = mc = self.model.config
         self.tokenizer = self.model.tokenizer

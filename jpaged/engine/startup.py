@@ -25,14 +25,16 @@ from jpaged.runner.model_runner import activation_peak_bytes
 logger = logging.getLogger(__name__)
 
 
-def model_dtype(config: EngineConfig) -> np.dtype:
-    """The dtype `config.dtype` means on this platform (auto: float32 on CPU, bfloat16 on accelerators). Sets up
-    the accelerator's allocator first: it must be configured before JAX initialises its backend."""
+def for_this_platform(config: EngineConfig) -> tuple[EngineConfig, np.dtype]:
+    """The config with this platform's default sizes where it leaves them open, and the dtype `config.dtype`
+    means here (auto: float32 on CPU, bfloat16 on accelerators). Sets up the accelerator's allocator first: it
+    must be configured before JAX initialises its backend."""
     configure_accelerator_allocator(config.gpu_memory_utilization)
     platform = jax.default_backend()
-    return jnp.dtype(
+    dtype = jnp.dtype(
         {"auto": np.float32 if platform == "cpu" else "bfloat16"}.get(config.dtype, config.dtype)
     )
+    return config.for_platform(platform), dtype
 
 
 @dataclass(frozen=True, slots=True)
