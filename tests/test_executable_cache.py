@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +30,53 @@ def _compile():
 
 def _refuse():
     raise AssertionError("compiled again although the executable was saved")
+
+
+def test_on_a_machine_of_several_devices_a_saved_single_device_step_loads_and_runs(tmp_path):
+    """Loaded, an executable was assigned every device of the client: on four (simulated) devices the second
+    start's steps failed with "Expected args to execute_sharded_on_local_devices to have 4 shards"."""
+    program = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "import jax, jax.numpy as jnp\n"
+        "from jpaged.runner.executable_cache import ExecutableCache\n"
+        "assert jax.device_count() == 4\n"
+        "x = jnp.arange(3.0)\n"
+        "for _ in range(2):  # compiled and saved, then loaded from disk\n"
+        "    step = ExecutableCache(Path(sys.argv[1])).get_or_compile('k', lambda: jax.jit(lambda x: 2 * x).lower(x).compile())\n"
+        "    print(step(x).tolist())\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", program, str(tmp_path)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[:2] == ["[0.0, 2.0, 4.0]", "[0.0, 2.0, 4.0]"]
+    assert list(tmp_path.glob("*.exe"))
+
+
+def test_an_engine_on_several_devices_starts_again_from_its_saved_steps(tmp_path, tiny_llama_dir):
+    """The second start is the one that loads the saved steps (the first compiles them)."""
+    program = (
+        "import sys\n"
+        "from jpaged import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, num_blocks=32,\n"
+        "          compilation_cache_dir=sys.argv[2])\n"
+        "greedy = SamplingParams(max_tokens=4, temperature=0)\n"
+        "print(llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids)\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    command = [sys.executable, "-c", program, str(tiny_llama_dir), str(tmp_path)]
+    starts = [subprocess.run(command, env=env, capture_output=True, text=True, timeout=300) for _ in range(2)]
+    for start in starts:
+        assert start.returncode == 0, start.stderr[-2000:]
+    assert starts[0].stdout == starts[1].stdout
 
 
 def test_a_saved_executable_loads_in_a_new_cache_and_runs(tmp_path):

@@ -92,12 +92,18 @@ def step_cache(directory: str | None) -> ExecutableCache:
 
 
 def _serialize(compiled) -> bytes:
+    """The executable and the ids of the devices it runs on: loading would otherwise assign it every device of
+    the client, which a single-device program on a multi-device machine cannot run on."""
     from jax.experimental import serialize_executable
 
-    return pickle.dumps(serialize_executable.serialize(compiled))
+    device_ids = [device.id for device in compiled.runtime_executable().local_devices()]
+    return pickle.dumps((serialize_executable.serialize(compiled), device_ids))
 
 
 def _deserialize(data: bytes):
     from jax.experimental import serialize_executable
 
-    return serialize_executable.deserialize_and_load(*pickle.loads(data))
+    serialized, device_ids = pickle.loads(data)
+    by_id = {device.id: device for device in jax.devices()}
+    devices = [by_id[i] for i in device_ids]
+    return serialize_executable.deserialize_and_load(*serialized, execution_devices=devices)
