@@ -84,8 +84,22 @@ def test_the_host_core_imports_without_jax():
     assert result.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("module", ["jpaged", "jpaged.config", "jpaged.sampling_params", "jpaged.outputs"])
-def test_the_public_types_import_without_jax(module):
+@pytest.mark.parametrize(
+    "module",
+    [
+        "jpaged",
+        "jpaged.config",
+        "jpaged.sampling_params",
+        "jpaged.outputs",
+        # the loop's host work: a step's rows and plain schedule, sampling inputs, outputs, beams, text
+        "jpaged.engine.scheduled_step",
+        "jpaged.engine.step_sampling",
+        "jpaged.engine.output_processor",
+        "jpaged.engine.beam_driver",
+        "jpaged.engine.detokenizer",
+    ],
+)
+def test_the_public_types_and_the_loops_host_work_import_without_jax(module):
     program = f"import sys, {module}\nprint('jax' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr

@@ -20,27 +20,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.models.batch import KVCache, StepBatch
 from jpaged.models.config import ModelConfig
-
-
-class StepBatch(NamedTuple):
-    """The padded batch the model runner builds from a schedule (all int32)."""
-
-    token_ids: jax.Array  # [T]
-    positions: jax.Array  # [T]
-    slot_mapping: jax.Array  # [T]  block * B + offset; padding writes to the null block 0
-    block_tables: jax.Array  # [S, P]
-    query_start: jax.Array  # [S + 1] cumulative query offsets
-    kv_lens: jax.Array  # [S] context length including this step's tokens
-    num_seqs: jax.Array  # [1] live sequences
-    logits_indices: jax.Array  # [R] token rows whose logits are returned
-    num_logits: jax.Array  # [1] rows of logits_indices in use (the rest is padding: its logits may be zero)
 
 
 class MatrixProducts(Protocol):
@@ -83,11 +70,6 @@ class StackedProducts:
 
 
 STACKED = StackedProducts()
-
-
-class KVCache(NamedTuple):
-    k: jax.Array  # [L, N, B, Hk, Dh]
-    v: jax.Array
 
 
 def init_kv_cache(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jpaged.models.llama import StepBatch
+from jpaged.models.batch import StepBatch
 from jpaged.runner.step_shapes import StepShapes
 
 

@@ -1,0 +1,28 @@
+"""What the model takes and updates each step, as the runner builds it: the padded batch and the paged KV cache.
+Plain NamedTuples, no JAX import, so host code that builds batches (runner/step_batch.py) runs without JAX."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import jax
+
+
+class StepBatch(NamedTuple):
+    """The padded batch the model runner builds from a schedule (all int32)."""
+
+    token_ids: jax.Array  # [T]
+    positions: jax.Array  # [T]
+    slot_mapping: jax.Array  # [T]  block * B + offset; padding writes to the null block 0
+    block_tables: jax.Array  # [S, P]
+    query_start: jax.Array  # [S + 1] cumulative query offsets
+    kv_lens: jax.Array  # [S] context length including this step's tokens
+    num_seqs: jax.Array  # [1] live sequences
+    logits_indices: jax.Array  # [R] token rows whose logits are returned
+    num_logits: jax.Array  # [1] rows of logits_indices in use (the rest is padding: its logits may be zero)
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [L, N, B, Hk, Dh]
+    v: jax.Array
