@@ -8,7 +8,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from jpaged_server.body_limit import BodySizeLimitMiddleware
 from jpaged_server.chat_template import chat_prompt_ids, load_chat_template
+from jpaged_server.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from jpaged_server.errors import APIError, error_response, install_error_handlers
 from jpaged_server.lifecycle import GracefulServer
 from jpaged_server.metrics import ServerMetrics
@@ -42,6 +44,7 @@ def build_app(
     chat_template: str | None = None,
     *,
     max_waiting_requests: int = 256,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running engine; the caller owns the engine (and shuts it down)."""
     app = FastAPI(title="jpaged", version=jpaged.__version__)
@@ -55,6 +58,7 @@ def build_app(
     )
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, state=app.state.server)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before auth
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
     _add_info_routes(app)
@@ -136,6 +140,8 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     """Load the engine, serve until SIGTERM/SIGINT, drain within the grace period, exit 0."""
     if args.max_waiting_requests < 0:
         raise ValueError(f"max_waiting_requests must be >= 0, got {args.max_waiting_requests}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {args.max_request_body_bytes}")
     if args.shutdown_grace_period < 0:
         raise ValueError(f"shutdown_grace_period must be >= 0 seconds, got {args.shutdown_grace_period}")
     chat_template = load_chat_template(args.chat_template)
@@ -147,6 +153,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             args.api_key,
             chat_template,
             max_waiting_requests=args.max_waiting_requests,
+            max_request_body_bytes=args.max_request_body_bytes,
         )
         server = GracefulServer.for_app(app, args.host, args.port, grace_period=args.shutdown_grace_period)
         server.run()

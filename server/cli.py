@@ -7,6 +7,8 @@ import os
 
 from jpaged.config import EngineConfig
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20  # far above the JSON of any prompt a max_model_len admits
+
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
@@ -26,6 +28,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="requests that may wait beyond --max-num-seqs before new ones get 503",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies get 413 before they are read whole",
     )
 
 

@@ -132,6 +132,40 @@ def test_missing_or_wrong_api_key_is_401_but_probes_stay_open(server):
     assert httpx.get(f"{server.base_url}/metrics").status_code == 200
 
 
+class _CountReadBytes:
+    """Outermost middleware: the body bytes the server's app actually pulled from the connection."""
+
+    def __init__(self, app, pulled: list[int]) -> None:
+        self.app, self.pulled = app, pulled
+
+    async def __call__(self, scope, receive, send):
+        async def counted():
+            message = await receive()
+            self.pulled.append(len(message.get("body", b"")))
+            return message
+
+        await self.app(scope, counted, send)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_over_the_size_limit_is_413_before_it_is_read_whole(engine, chunked):
+    limit, size = 64 << 10, 4 << 20
+    body = b'{"prompt": "' + b"x" * size + b'"}'
+    content = (body[i : i + (16 << 10)] for i in range(0, len(body), 16 << 10)) if chunked else body
+    pulled: list[int] = []
+    app = build_app(engine, MODEL, max_request_body_bytes=limit)
+    app.add_middleware(_CountReadBytes, pulled=pulled)
+    with serve_in_thread(app) as running:
+        response = httpx.post(f"{running.base_url}/v1/completions", content=content, timeout=60)
+        small = httpx.post(f"{running.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert_error(response, 413, None, f"limit of {limit} bytes")
+    assert (
+        sum(pulled) < size // 4
+    )  # the server stopped reading near the limit (the small request adds ~30 bytes)
+    assert small.status_code == 200
+    assert engine.num_unfinished == 0
+
+
 def test_unknown_model_is_404(http):
     assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model", "gpt-9")
     assert_error(http.post("/tokenize", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
