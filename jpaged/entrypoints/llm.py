@@ -58,7 +58,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (a str, a list of str, or a list of token-id lists).
+        """Outputs in the order of `prompts` (a str, a list of str, token-id lists, or a [B, T] token array).
 
         Only final outputs are read, so every request runs as FINAL_ONLY (on a copy of its params)."""
         prompts = _as_prompt_list(prompts)

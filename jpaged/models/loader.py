@@ -31,7 +31,7 @@ _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    kind: str  # "hf" | "gguf" | "orbax"
+    kind: str  # "hf" | "gguf" | "orbax", or "params" for weights handed over in memory (LLM.from_params)
     path: Path  # the directory (hf, orbax) or the .gguf file
 
 
