@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--dtype", default="float32", help="jpaged's dtype (HF stays float32)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -81,6 +82,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=512,
         num_blocks=1 + args.num_prompts * (512 // 16),
+        dtype=args.dtype,
     )
     warm = llm.metrics()["num_compilations"]
     print(f"jpaged start-up (load + warm-up of {warm} step shapes): {time.perf_counter() - start:.1f} s")
@@ -105,7 +107,9 @@ def main() -> None:
             row["hf"] = hf_tokens / hf_seconds
         rows.append(row)
 
-    print(f"\n{args.num_prompts} prompts x {args.input_len} tokens in, float32, CPU; output tokens/s")
+    print(
+        f"\n{args.num_prompts} prompts x {args.input_len} tokens in, jpaged {args.dtype}, CPU; output tokens/s"
+    )
     print("| workload | jpaged | HF static batching | ratio |")
     print("|---|---|---|---|")
     for row in rows:

@@ -24,5 +24,8 @@ class StepBatch(NamedTuple):
 
 
 class KVCache(NamedTuple):
+    """The paged pool, in the model's dtype, or for a bfloat16 model on CPU its raw 16-bit words (uint16): XLA CPU
+    widens every write into a bfloat16 pool to a float32 copy of the whole pool and back (scripts/KERNELS.md)."""
+
     k: jax.Array  # [L, N, B, Hk, Dh]
     v: jax.Array

@@ -72,6 +72,14 @@ class StackedProducts:
 STACKED = StackedProducts()
 
 
+def _as_stored(x: jax.Array, dtype) -> jax.Array:
+    """x as the pool stores it: its dtype, or its raw words where the pool keeps a 16-bit float as uint16 (see
+    KVCache)."""
+    if jnp.dtype(dtype) == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(dtype)
+
+
 def init_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int, dtype, allocate: Callable = jnp.zeros
 ) -> KVCache:
@@ -154,8 +162,8 @@ def forward(
             q = _rms_norm(q, lp["q_norm"], c.rms_norm_eps)
             k = _rms_norm(k, lp["k_norm"], c.rms_norm_eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        k_cache = k_cache.at[index, write_block, write_offset].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[index, write_block, write_offset].set(v.astype(v_cache.dtype))
+        k_cache = k_cache.at[index, write_block, write_offset].set(_as_stored(k, k_cache.dtype))
+        v_cache = v_cache.at[index, write_block, write_offset].set(_as_stored(v, v_cache.dtype))
         attn = attention(
             q,
             k_cache,

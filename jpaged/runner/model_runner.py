@@ -71,12 +71,15 @@ class ModelRunner:
             config.attention_impl, head_dim=model_config.head_dim, dtype=self.dtype
         )
         self.num_blocks = num_blocks
+        # The C++ kernel reads a bfloat16 pool as its 16-bit words, which XLA writes in place (see KVCache).
+        words = self.attention_impl == "cpu" and self.dtype == jnp.bfloat16
+        self.kv_dtype = jnp.dtype(jnp.uint16) if words else self.dtype
         self.kv_cache = self._allocate_kv_cache()
         self.swap_space = None
         if config.preemption_mode == "swap" and num_swap_blocks:
             mc = model_config
             shape = (mc.num_layers, num_swap_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
-            self.swap_space = HostSwapSpace(shape, self.dtype)
+            self.swap_space = HostSwapSpace(shape, self.kv_dtype)
         step = bind_step(
             model_config, _attention_for(config, model_config, self.attention_impl, self.dtype), products
         )
@@ -215,7 +218,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> KVCache:
         allocate = cpu_attention.uninitialized if self.attention_impl == "cpu" else jnp.zeros
         mc = self.model_config
-        return init_kv_cache(mc, self.num_blocks, self.block_size, self.dtype, allocate)
+        return init_kv_cache(mc, self.num_blocks, self.block_size, self.kv_dtype, allocate)
 
     def update_weights(self, params: dict) -> None:
         """Run on these weights from the next step (the loaders' layout; the engine checks that they match the

@@ -54,9 +54,10 @@ def ragged_paged_attention_stacked(
 ) -> jax.Array:
     """The kernel over one layer of a stacked cache `[L, N, B, Hk, D]` (contract in jpaged.pallas)."""
     del interpret  # same signature as the Pallas kernels
-    check_inputs(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start, num_seqs, sliding_window, logits_soft_cap
-    )
+    pages = [k_cache, v_cache]
+    if k_cache.dtype == jnp.uint16 and q.dtype == jnp.bfloat16:  # a bfloat16 pool stored as its 16-bit words
+        pages = [jax.ShapeDtypeStruct(x.shape, q.dtype) for x in pages]
+    check_inputs(q, *pages, kv_lens, block_tables, query_start, num_seqs, sliding_window, logits_soft_cap)
     check_layout(q.shape[-1], q.dtype)
     if k_cache.ndim != 5:
         raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")

@@ -287,7 +287,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   auto kd = k_cache.dimensions();  // [L, N, B, Hk, D]
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("expected q [T,Hq,D], cache [L,N,B,Hk,D]");
   const auto dtype = q.element_type();
-  if (k_cache.element_type() != dtype || v_cache.element_type() != dtype || out->element_type() != dtype)
+  // A bfloat16 pool may also come as its raw 16-bit words (U16): the runner stores it so on CPU (model_runner.py).
+  auto holds = [dtype](ffi::DataType t) { return t == dtype || (dtype == ffi::DataType::BF16 && t == ffi::DataType::U16); };
+  if (!holds(k_cache.element_type()) || !holds(v_cache.element_type()) || out->element_type() != dtype)
     return ffi::Error::InvalidArgument("q, the caches and the output must share one dtype");
   const int num_layers = static_cast<int>(kd[0]);
   const int layer_index = layer.typed_data()[0];

@@ -1,0 +1,69 @@
+"""bfloat16 on CPU: the pool is stored as its 16-bit words so XLA writes it in place, and outputs survive every
+path that moves KV blocks (copy-on-write, swap)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from engine_driver import run_requests
+from greedy import assert_same_greedy
+
+from jpaged.config import EngineConfig
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.models.loader import load_model
+from jpaged.sampling_params import SamplingParams
+
+ARGS = dict(
+    dtype="bfloat16",
+    attention_impl="cpu",
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    enforce_eager=True,
+)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+PROMPTS = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir), jnp.bfloat16, progress=False)
+
+
+def run(engine: LLMEngine, params: SamplingParams = GREEDY) -> list:
+    done = run_requests(engine, {f"r{i}": (prompt, params) for i, prompt in enumerate(PROMPTS)})
+    return [done[f"r{i}"].outputs[0] for i in range(len(PROMPTS))]
+
+
+def test_the_step_writes_the_bfloat16_pool_in_place_without_widening_it(model):
+    """XLA CPU turned every write into a bfloat16 pool into a float32 copy of the whole pool and back (a decode
+    step of the default model took ~45 s); the pool's 16-bit words are written in place."""
+    engine = LLMEngine(EngineConfig(num_blocks=40, **ARGS), model=model)
+    run(engine)
+    pool = engine.runner.kv_cache.k
+    assert pool.dtype == jnp.uint16
+    widened = "f32[" + ",".join(map(str, pool.shape)) + "]"
+    programs = [compiled.as_text() for compiled in engine.runner._compiled.values()]
+    assert programs and not any(widened in text for text in programs)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_bfloat16_greedy_output_survives_preemption(model, mode):
+    solo = [
+        run_requests(LLMEngine(EngineConfig(num_blocks=40, **ARGS), model=model), {"r": (p, GREEDY)})["r"]
+        for p in PROMPTS
+    ]
+    tight = LLMEngine(EngineConfig(num_blocks=12, preemption_mode=mode, swap_space=0.01, **ARGS), model=model)
+    outputs = run(tight)
+    assert tight.metrics()["num_preemptions"] > 0
+    for reference, output in zip(solo, outputs, strict=True):
+        assert_same_greedy(reference.outputs[0], output.token_ids, f"bfloat16, preempted by {mode}")
+
+
+def test_bfloat16_parallel_samples_continue_from_their_copied_blocks(model):
+    """n samples share the prompt's partial last block and copy it when they first write to it."""
+    engine = LLMEngine(EngineConfig(num_blocks=40, **ARGS), model=model)
+    params = SamplingParams(max_tokens=6, temperature=0.8, n=3, seed=5, ignore_eos=True)
+    outputs = run_requests(engine, {"r": (PROMPTS[0][:21], params)})["r"].outputs
+    assert len(outputs) == 3 and all(len(o.token_ids) == 6 for o in outputs)
+    assert engine.metrics()["num_free_blocks"] == engine.metrics()["num_total_blocks"]
