@@ -29,8 +29,6 @@ class HostSwapSpace:
         """Device blocks to host slots (swap_out: (block, slot)) and host slots to device blocks (swap_in:
         (slot, block)), every read before any write (the block manager's contract: a slot or block freed by one
         may be reused by the other in the same step)."""
-        if not swap_out and not swap_in:
-            return
         incoming = [(self.k[:, slot].copy(), self.v[:, slot].copy(), block) for slot, block in swap_in]
         if swap_out:
             k, v = device.read_blocks([block for block, _ in swap_out])
