@@ -3,8 +3,9 @@ reward by REINFORCE with group baselines (GRPO-style), optax updating its weight
 them to the engine every step, with no copy through disk and no recompilation.
 
 The reward: the share of a rollout's tokens below `--target-below` (a tenth of the policy's small vocabulary by
-default; the embedded model's tokenizer only stands in, as rollouts stay token ids). The training forward pass is jpaged's own model (`models.llama.forward`) with a differentiable dense causal attention
-injected in place of the paged kernels.
+default; the embedded model's tokenizer only stands in, as rollouts stay token ids). The training forward pass is
+jpaged's own CausalLM (`models.llama.forward` merges it with the state dict optax updates) with a differentiable
+dense causal attention injected in place of the paged kernels.
 
   python scripts/rl_rollout_demo.py                 # 20 steps, 4 prompts x 4 samples of 16 tokens
   python scripts/rl_rollout_demo.py --steps 2       # a quick check

@@ -36,7 +36,7 @@ def test_second_load_reads_the_cached_conversion(cache_dir, default_gguf, monkey
     for cold, warm in zip(*leaves, strict=True):
         assert warm.dtype == np.float32 and cold.dtype == ml_dtypes.bfloat16
         np.testing.assert_array_equal(warm.astype(ml_dtypes.bfloat16), cold)
-    embed = second.params["embed"]
+    embed = second.params["embed"]["weight"]
     assert np.any(embed != embed.astype(ml_dtypes.bfloat16).astype(np.float32))
 
 

@@ -7,10 +7,19 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pre_nnx_llama
 import pytest
 from conftest import TINY_FAMILIES, hf_logits
+from jax.sharding import PartitionSpec as P
 
-from jpaged.models.llama import StepBatch, forward, init_kv_cache
+from jpaged.models.llama import (
+    StepBatch,
+    abstract_params,
+    forward,
+    init_kv_cache,
+    params_dtype,
+    partition_specs,
+)
 from jpaged.models.loader import load_model
 from jpaged.pallas.reference import paged_attention_stacked
 from jpaged.runner.weight_layout import choose_products
@@ -26,7 +35,7 @@ class PagedRun:
         params = products.layout(loaded.params)
         self.config, self.params = loaded.config, jax.device_put(params)
         self.width = max_len // BLOCK
-        dtype = params["final_norm"].dtype
+        dtype = params_dtype(params)
         self.cache = init_kv_cache(self.config, 1 + num_seqs * self.width, BLOCK, dtype)
         forward_fn = functools.partial(
             forward, config=self.config, attention=paged_attention_stacked, products=products
@@ -80,6 +89,70 @@ def test_logits_match_transformers_for_ragged_prefill_and_paged_decode(family, l
             got[i] = np.concatenate([got[i], logits])
     for prompt_logits, reference in zip(got, expected, strict=True):
         assert relative_error(prompt_logits, reference) < 1e-4
+
+
+def pre_nnx_run(loaded, num_seqs: int) -> PagedRun:
+    """A PagedRun of the functional model the NNX modules replaced."""
+    run = PagedRun(loaded, num_seqs)
+    run.params = jax.device_put(pre_nnx_llama.flat_params(loaded.params))
+    forward_fn = functools.partial(
+        pre_nnx_llama.forward, config=loaded.config, attention=paged_attention_stacked
+    )
+    run.fn = jax.jit(forward_fn)
+    return run
+
+
+def assert_same_logits_as_before_the_port(loaded, layout: str, prompt_lengths: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(2)
+    prompts = [list(map(int, rng.integers(0, loaded.config.vocab_size, n))) for n in prompt_lengths]
+    lengths = [len(p) for p in prompts]
+    runs = (PagedRun(loaded, len(prompts), layout=layout), pre_nnx_run(loaded, len(prompts)))
+    schedule = [([0] * len(prompts), [n - 2 for n in lengths])]  # a ragged prefill, then two decodes each
+    schedule += [([n - k for n in lengths], [n - k + 1 for n in lengths]) for k in (2, 1)]
+    for starts, ends in schedule:
+        got, expected = (run.step(prompts, starts, ends) for run in runs)
+        for actual, reference in zip(got, expected, strict=True):
+            assert relative_error(actual, reference) < 1e-5
+            np.testing.assert_array_equal(actual.argmax(-1), reference.argmax(-1))  # the greedy tokens
+
+
+@pytest.mark.parametrize("layout", ["stacked", "panels"])
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_nnx_modules_give_the_logits_of_the_functional_model_they_replaced(family, layout, tiny_model_dir):
+    loaded = load_model(str(tiny_model_dir(family)), progress=False)
+    assert_same_logits_as_before_the_port(loaded, layout, (5, 16, 23, 41))
+
+
+def test_nnx_modules_give_the_embedded_models_logits_of_before_the_port():
+    assert_same_logits_as_before_the_port(load_model(None, progress=False), "stacked", (9, 20))
+
+
+def test_weights_name_their_logical_axes_for_tensor_parallelism(tiny_model_dir):
+    specs = {
+        family: partition_specs(load_model(str(tiny_model_dir(family)), progress=False).config)
+        for family in ("llama", "qwen2_bias", "qwen3_qk_norm")
+    }
+    llama = specs["llama"]
+    assert llama["embed"]["weight"] == P("vocab", "embed")
+    assert llama["lm_head"] == P("embed", "vocab")
+    assert llama["final_norm"]["weight"] == P("embed")
+    layers = llama["layers"]
+    assert layers["attn_norm"]["weight"] == layers["mlp_norm"]["weight"] == P("layers", "embed")
+    assert layers["attn"]["qkv"] == P("layers", "embed", "qkv")
+    assert layers["attn"]["o"] == P("layers", "heads", "embed")
+    assert layers["mlp"]["gate_up"] == P("layers", "embed", "mlp")
+    assert layers["mlp"]["down"] == P("layers", "mlp", "embed")
+    assert "lm_head" not in specs["qwen2_bias"]  # tied to the embedding
+    assert specs["qwen2_bias"]["layers"]["attn"]["qkv_bias"] == P("layers", "qkv")
+    assert specs["qwen3_qk_norm"]["layers"]["attn"]["q_norm"]["weight"] == P("layers", "head_dim")
+
+
+def test_the_loaders_fill_exactly_the_state_of_the_nnx_module(tiny_model_dir):
+    for family in sorted(TINY_FAMILIES):
+        loaded = load_model(str(tiny_model_dir(family)), progress=False)
+        expected = abstract_params(loaded.config, jnp.float32)
+        shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), expected)
+        assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), loaded.params) == shapes
 
 
 def test_bfloat16_panels_give_the_logits_of_the_stacked_layout(tiny_model_dir):

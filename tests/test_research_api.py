@@ -10,8 +10,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jpaged.entrypoints.llm import LLM
+from jpaged.models.llama import model_graphdef
 from jpaged.sampling_params import SamplingParams
 
 ENGINE_ARGS = dict(
@@ -68,22 +70,60 @@ def test_update_weights_drops_the_prefix_cache_computed_with_the_old_weights(llm
     assert llm.metrics()["prefix_cache_hits"] == hits
 
 
+def test_an_engine_over_a_users_own_nnx_module_takes_its_updates_as_modules_or_states(llm, tiny_llama):
+    module = nnx.merge(model_graphdef(tiny_llama.config), jax.device_put(tiny_llama.params))
+    from_module = LLM.from_flax(module, tiny_llama.tokenizer, **ENGINE_ARGS)
+    assert token_lists(from_module) == token_lists(llm)
+    compilations = from_module.metrics()["num_compilations"]
+    new = redrawn(tiny_llama.params, seed=3)
+    nnx.update(module, new)  # what a trainer's optimizer step does to its module
+    from_module.update_weights(module)
+    llm.update_weights(nnx.state(module))
+    assert (
+        token_lists(from_module)
+        == token_lists(llm)
+        != token_lists(
+            LLM.from_params(tiny_llama.params, tiny_llama.config, tiny_llama.tokenizer, **ENGINE_ARGS)
+        )
+    )
+    assert from_module.metrics()["num_compilations"] == compilations
+
+
+def test_a_module_that_is_not_a_jpaged_model_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="must be a jpaged.models.llama.CausalLM"):
+        LLM.from_flax(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tiny_llama.tokenizer, **ENGINE_ARGS)
+
+
+def test_params_in_another_tree_are_refused_at_start_naming_the_leaf(tiny_llama):
+    old_tree = {
+        "embed": tiny_llama.params["embed"]["weight"],
+        **{k: v for k, v in tiny_llama.params.items() if k != "embed"},
+    }
+    with pytest.raises(ValueError, match=r"params\['embed'\]\['weight'\] is missing from the params given"):
+        LLM.from_params(old_tree, tiny_llama.config, tiny_llama.tokenizer, **ENGINE_ARGS)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (
-            lambda p: p["layers"].update(w_qkv=p["layers"]["w_qkv"][:, :, :-1]),
-            r"params\['layers'\]\['w_qkv'\]",
+            lambda p: p["layers"]["attn"].update(qkv=p["layers"]["attn"]["qkv"][:, :, :-1]),
+            r"params\['layers'\]\['attn'\]\['qkv'\]",
         ),
-        (lambda p: p.update(embed=p["embed"].astype(np.float16)), r"params\['embed'\] is float16"),
-        (lambda p: p["layers"].pop("w_down"), r"params\['layers'\]\['w_down'\] is missing"),
-        (lambda p: p.update(extra=np.zeros(3, np.float32)), r"params\['extra'\] is not one of"),
+        (
+            lambda p: p["embed"].update(weight=p["embed"]["weight"].astype(np.float16)),
+            r"params\['embed'\]\['weight'\] is float16",
+        ),
+        (lambda p: p["layers"]["mlp"].pop("down"), r"params\['layers'\]\['mlp'\]\['down'\] is missing"),
+        (
+            lambda p: p.update(extra=np.zeros(3, np.float32)),
+            r"params\['extra'\] in the new weights is not one of",
+        ),
     ],
     ids=["shape", "dtype", "missing", "extra"],
 )
 def test_weights_that_do_not_match_are_refused_naming_the_leaf(llm, tiny_llama, change, message):
-    params = jax.tree_util.tree_map(np.asarray, tiny_llama.params)
-    params["layers"] = dict(params["layers"])
+    params = jax.tree_util.tree_map(np.asarray, tiny_llama.params)  # new dicts all the way down
     change(params)
     with pytest.raises(ValueError, match=message):
         llm.update_weights(params)

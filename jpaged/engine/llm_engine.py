@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,13 +27,17 @@ from jpaged.engine.scheduled_step import ScheduledStep, scheduled_step
 from jpaged.engine.startup import for_this_platform, size_kv_cache
 from jpaged.engine.step_sampling import StepSampling, has_static_sampling, is_plain_greedy, sample_seed_for
 from jpaged.engine.tokenizer import tokenize_bad_words
+from jpaged.models.llama import abstract_params, as_params, params_dtype
 from jpaged.models.loader import LoadedModel, load_model
+from jpaged.models.params import check_same_leaves, weights_spec
 from jpaged.outputs import RequestOutput
 from jpaged.runner.model_runner import ModelRunner, StepOutput
 from jpaged.runner.sampling_inputs import SamplerOutput
 from jpaged.runner.step_batch import PreparedStep
-from jpaged.runner.weight_layout import check_same_leaves, weights_spec
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from flax import nnx
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,9 @@ class LLMEngine:
         self.config = config
         self.model = model or load_model(config.model, dtype)
         self.model_config = mc = self.model.config
+        source = self.model.source
+        given_as = "the params given" if source.kind == "params" else f"the weights loaded from {source.path}"
+        check_same_leaves(abstract_params(mc, params_dtype(self.model.params)), self.model.params, given_as)
         self.tokenizer = self.model.tokenizer
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         size = size_kv_cache(config, self.model, self.max_model_len)
@@ -180,11 +188,12 @@ class LLMEngine:
 
     # ---- weights and device memory, between generate calls ----
 
-    def update_weights(self, params: dict) -> None:
-        """Swap the model's weights in place (a params pytree in the loaders' layout: host or device arrays, e.g.
-        a trainer's). Every leaf keeps its shape and dtype, so nothing recompiles; the prefix cache is dropped,
-        since its KV came from the old weights."""
+    def update_weights(self, weights: dict | nnx.State | nnx.Module) -> None:
+        """Swap the model's weights in place: a CausalLM of the same config, its nnx.State, or its state dict (host
+        or device arrays, e.g. a trainer's). Every leaf keeps its shape and dtype, so nothing recompiles; the
+        prefix cache is dropped, since its KV came from the old weights."""
         self._check_idle("update_weights")
+        params = as_params(weights)
         check_same_leaves(self.model.params, params)
         self.runner.update_weights(params)
         self.blocks.reset_prefix_cache()

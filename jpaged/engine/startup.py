@@ -19,6 +19,7 @@ from jpaged.core.kv_cache_sizing import (
     kv_bytes_per_token,
     startup_summary,
 )
+from jpaged.models.llama import params_dtype
 from jpaged.models.loader import LoadedModel
 from jpaged.runner.model_runner import activation_peak_bytes
 
@@ -48,7 +49,7 @@ def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) 
     the step's activation peak, else kv_cache_memory on CPU) and for swap space; fails at start-up when one
     max_model_len sequence cannot fit."""
     mc, params = model.config, model.params
-    dtype_bytes = jnp.dtype(params["embed"].dtype).itemsize
+    dtype_bytes = params_dtype(params).itemsize
     bytes_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_bytes)
     platform, bytes_limit = device_memory()
     peak = 0

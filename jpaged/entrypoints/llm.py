@@ -13,6 +13,7 @@ from jpaged.engine.llm_engine import LLMEngine
 from jpaged.engine.tokenizer import apply_chat_template
 from jpaged.entrypoints.arrays import GeneratedArrays, is_array, pack_outputs, prompt_rows
 from jpaged.models.config import ModelConfig
+from jpaged.models.llama import CausalLM, as_params
 from jpaged.models.loader import LoadedModel, ModelSource
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -31,14 +32,25 @@ class LLM:
 
     @classmethod
     def from_params(cls, params: dict, model_config: ModelConfig, tokenizer, **engine_args) -> LLM:
-        """An engine over weights already in memory (host or device arrays in the loaders' layout, e.g. a
+        """An engine over weights already in memory (a CausalLM state dict of host or device arrays, e.g. a
         trainer's), with nothing written to disk."""
         loaded = LoadedModel(model_config, params, tokenizer, ModelSource("params", Path()), 0.0)
         return cls(_loaded=loaded, **engine_args)
 
-    def update_weights(self, params: dict) -> None:
-        """Swap the weights in place between generate calls; see LLMEngine.update_weights."""
-        self.engine.update_weights(params)
+    @classmethod
+    def from_flax(cls, module: CausalLM, tokenizer, **engine_args) -> LLM:
+        """An engine over a user's own `jpaged.models.llama.CausalLM` (its weights as they are, not copied)."""
+        if not isinstance(module, CausalLM):
+            raise ValueError(
+                f"module must be a jpaged.models.llama.CausalLM, got {type(module).__name__}: build the model "
+                "with CausalLM(config) or pass its state dict to LLM.from_params"
+            )
+        return cls.from_params(as_params(module), module.config, tokenizer, **engine_args)
+
+    def update_weights(self, weights) -> None:
+        """Swap the weights in place between generate calls (a CausalLM, its nnx.State or its state dict); see
+        LLMEngine.update_weights."""
+        self.engine.update_weights(weights)
 
     def sleep(self, level: int = 1) -> None:
         """Give the device memory back between generate calls; see LLMEngine.sleep."""

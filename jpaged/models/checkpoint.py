@@ -1,4 +1,4 @@
-"""orbax checkpoints of the params pytree: convert once from any source, then restore fast."""
+"""orbax checkpoints of a CausalLM's state (its nnx state dict): convert once from any source, then restore fast."""
 
 from __future__ import annotations
 
@@ -9,18 +9,20 @@ import jax
 import numpy as np
 
 from jpaged.models.config import ModelConfig
+from jpaged.models.llama import as_params
 
 ORBAX_MARKER = "jpaged_model.json"  # marks a directory written by save_checkpoint
 
 
-def save_checkpoint(directory: Path, config: ModelConfig, params: dict, tokenizer) -> None:
-    """Write `directory/params` (orbax), the model config and the tokenizer files."""
+def save_checkpoint(directory: Path, config: ModelConfig, weights, tokenizer) -> None:
+    """Write `directory/params` (orbax; a CausalLM, its nnx.State or its state dict), the model config and the
+    tokenizer files."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory / "params", params, force=True)
+        checkpointer.save(directory / "params", as_params(weights), force=True)
     (directory / ORBAX_MARKER).write_text(json.dumps(config.to_json_dict(), indent=2))
     tokenizer.save_pretrained(str(directory))
 

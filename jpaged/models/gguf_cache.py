@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
 from safetensors.numpy import load_file, save_file
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -24,7 +25,7 @@ from jpaged.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # bump when the conversion changes, so older copies are not reused
+FORMAT_VERSION = 2  # bump when the conversion changes, so older copies are not reused
 _CONFIG_FILE = "jpaged_config.json"  # not config.json: transformers would read it as its own
 _PARAMS_FILE = "params.safetensors"
 
@@ -46,13 +47,7 @@ def load_converted(gguf_path: Path, dtype) -> tuple[ModelConfig, dict, PreTraine
         return None
     config = ModelConfig.from_json_dict(json.loads((directory / _CONFIG_FILE).read_text()))
     flat = load_file(directory / _PARAMS_FILE)
-    params: dict = {}
-    for name, array in flat.items():
-        *parents, leaf = name.split("/")
-        node = params
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = array.astype(dtype, copy=False)
+    params = unflatten_dict({name: array.astype(dtype, copy=False) for name, array in flat.items()}, sep="/")
     return config, params, PreTrainedTokenizerFast.from_pretrained(str(directory))
 
 
@@ -60,16 +55,9 @@ def store_converted(gguf_path: Path, config: ModelConfig, params: dict, tokenize
     """Save a conversion; written to a temporary directory and renamed, so a reader never sees half of one."""
     directory = converted_dir(gguf_path)
     partial = directory.with_name(directory.name + f".partial-{os.getpid()}")
-    flat = {}
-
-    def flatten(node: dict, prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict):
-                flatten(value, f"{prefix}{key}/")
-            else:
-                flat[prefix + key] = np.ascontiguousarray(value, dtype=np.float32)
-
-    flatten(params, "")
+    flat = {
+        name: np.ascontiguousarray(value, np.float32) for name, value in flatten_dict(params, sep="/").items()
+    }
     try:
         partial.mkdir(parents=True, exist_ok=True)
         save_file(flat, partial / _PARAMS_FILE)

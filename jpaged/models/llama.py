@@ -1,75 +1,327 @@
-"""The Llama family as one pure function: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
+"""The Llama family as Flax NNX modules: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
 
 Shapes: T tokens in the step, S sequences (rows whose logits are wanted), D hidden size, F MLP size, V vocabulary,
 L layers, Hq/Hk query/KV heads, Dh head dim, N blocks, B block size.
 
-Params pytree (weights stored [in, out]; per-layer leaves stacked on a leading L axis so `lax.scan` compiles one
-layer, not thirty; q/k/v and gate/up fused so each is one matmul):
-  embed [V, D], final_norm [D], lm_head [D, V] (absent when tied to embed),
-  layers: attn_norm [L, D], w_qkv [L, D, (Hq + 2 Hk) Dh], b_qkv [L, (Hq + 2 Hk) Dh] (Qwen2),
-          q_norm / k_norm [L, Dh] (Qwen3), wo [L, Hq Dh, D], mlp_norm [L, D], w_gate_up [L, D, 2F], w_down [L, F, D]
+The modules and their state (weights stored [in, out]; q/k/v and gate/up fused so each is one matmul):
+  CausalLM     embed.weight [V, D], layers (one DecoderLayer stack), final_norm.weight [D],
+               lm_head [D, V] (absent when tied to the embedding)
+  DecoderLayer attn_norm.weight, attn (qkv [D, (Hq + 2 Hk) Dh], qkv_bias (Qwen2), q_norm / k_norm.weight [Dh]
+               (Qwen3), o [Hq Dh, D]), mlp_norm.weight, mlp (gate_up [D, 2F], down [F, D]); every leaf stacked on
+               a leading L axis (an `nnx.vmap`-built stack) so that `lax.scan` compiles one layer, not thirty.
+Every weight names its logical axes (`out_sharding` metadata, see `partition_specs`) for tensor parallelism.
+
+The engine runs the model functionally: it holds `model_graphdef(config)` and the state as a plain dict
+(`nnx.to_pure_dict`: what the loaders build and `update_weights` takes), and its jitted step merges the two
+(`forward`), so the step stays a pure function of (state, KV cache, batch).
+
 KV cache: (k, v), each [L, N, B, Hk, Dh]; the step writes its new K/V through `slot_mapping` and attends through
 `block_tables`. Both are donated by the caller, so the scatter updates them in place.
 
-Attention and the matrix products are injected: `forward` knows no kernel and no weight layout. The runner passes
-the attention callable for its backend and a `MatrixProducts` for the layout it keeps the weights in (the stacks
-above, `StackedProducts`, unless it chose another, e.g. the CPU kernel's panels).
+Attention and the matrix products are injected at call time: the modules know no kernel and no weight layout.
+The runner passes the attention callable for its backend and a `MatrixProducts` for the layout it keeps the
+weights in (the stacks above, `StackedProducts`, unless it chose another, e.g. the CPU kernel's panels).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jpaged.models.batch import KVCache, StepBatch
 from jpaged.models.config import ModelConfig
 
+# Logical axis names of the weights: tensor parallelism maps them onto mesh axes.
+VOCAB, EMBED, QKV, HEADS, MLP, HEAD_DIM, LAYERS = (
+    "vocab",
+    "embed",
+    "qkv",
+    "heads",
+    "mlp",
+    "head_dim",
+    "layers",
+)
+
+# Each layer matrix by the name the products know it by, and its path in a DecoderLayer's state.
+LAYER_MATRICES = {
+    "qkv": ("attn", "qkv"),
+    "o": ("attn", "o"),
+    "gate_up": ("mlp", "gate_up"),
+    "down": ("mlp", "down"),
+}
+
 
 class MatrixProducts(Protocol):
-    """How the model multiplies by its weights, for one layout of the params. `rows` is how many leading rows of
-    x are live (the rest is padding, which a layout may skip and leave zero)."""
+    """How the model multiplies by its weights, for one layout of them. `rows` is how many leading rows of x are
+    live (the rest is padding, which a layout may skip and leave zero)."""
+
+    # Layer matrices the layer scan hands over whole (with the layer's index) instead of sliced to one layer.
+    whole_matrices: tuple[str, ...]
 
     def layout(self, params: dict) -> dict:
-        """The loaders' params rearranged as these products read them (done once, before the steps)."""
+        """The loaders' params with some leaves rearranged as these products read them (same tree; done once,
+        before the steps)."""
         ...
 
-    def embed(self, params: dict, token_ids: jax.Array) -> jax.Array: ...
+    def embed(self, weight: jax.Array, token_ids: jax.Array) -> jax.Array: ...
 
     def layer(
-        self, params: dict, layer_params: dict, name: str, layer: jax.Array, x: jax.Array, rows: jax.Array
+        self, name: str, weight: jax.Array, x: jax.Array, layer: jax.Array, rows: jax.Array
     ) -> jax.Array:
-        """x @ layer `layer`'s matrix `name` (w_qkv, wo, w_gate_up, w_down); `layer_params` is that layer's
-        slice of params["layers"]."""
+        """x @ layer `layer`'s matrix `name` (a LAYER_MATRICES key); `weight` is that layer's matrix, or the whole
+        stack where `name` is in `whole_matrices`."""
         ...
 
-    def lm_head(self, params: dict, h: jax.Array, rows: jax.Array) -> jax.Array:
-        """float32 logits [R, V] of the final hidden states h [R, D]."""
+    def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
+        """float32 logits [R, V] of the final hidden states h [R, D]; `weight` is the embedding when tied."""
         ...
 
 
 class StackedProducts:
-    """XLA's dots on the params as the loaders build them (layer matrices stacked, sliced per layer by the scan)."""
+    """XLA's dots on the weights as the loaders build them (layer matrices stacked, sliced per layer by the scan)."""
+
+    whole_matrices: tuple[str, ...] = ()
 
     def layout(self, params: dict) -> dict:
         return params
 
-    def embed(self, params: dict, token_ids: jax.Array) -> jax.Array:
-        return params["embed"][token_ids]
+    def embed(self, weight: jax.Array, token_ids: jax.Array) -> jax.Array:
+        return weight[token_ids]
 
-    def layer(self, params, layer_params, name, layer, x, rows) -> jax.Array:
-        return x @ layer_params[name]
+    def layer(self, name, weight, x, layer, rows) -> jax.Array:
+        return x @ weight
 
-    def lm_head(self, params: dict, h: jax.Array, rows: jax.Array) -> jax.Array:
-        lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
-        return jnp.dot(h, lm_head, preferred_element_type=jnp.float32)
+    def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
+        return jnp.dot(h, weight.T if tied else weight, preferred_element_type=jnp.float32)
 
 
 STACKED = StackedProducts()
+
+
+def _weight(shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], fill: float = 0.0) -> nnx.Param:
+    """A weight named by its logical axes, filled with `fill` until a loader's state replaces it."""
+    return nnx.Param(jnp.full(shape, fill, dtype), out_sharding=axes, eager_sharding=False)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one step shares: the batch, RoPE's cos/sin, where the new K/V go, the kernels."""
+
+    batch: StepBatch
+    cos: jax.Array  # [T, 1, Dh]
+    sin: jax.Array
+    write_block: jax.Array  # [T]
+    write_offset: jax.Array  # [T]
+    live_tokens: jax.Array  # the step's real tokens (the rest of T is padding)
+    attention: Callable
+    products: MatrixProducts
+
+    def matmul(self, name: str, weight: nnx.Param, x: jax.Array, layer: jax.Array) -> jax.Array:
+        return self.products.layer(name, weight[...], x, layer, self.live_tokens)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype, axis: str) -> None:
+        self.eps = eps
+        self.weight = _weight((dim,), dtype, (axis,), fill=1.0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size: int, dim: int, dtype) -> None:
+        self.weight = _weight((vocab_size, dim), dtype, (VOCAB, EMBED))
+
+    def __call__(self, token_ids: jax.Array, products: MatrixProducts) -> jax.Array:
+        return products.embed(self.weight[...], token_ids)
+
+
+class Attention(nnx.Module):
+    """Fused QKV projection, optional bias (Qwen2) and q/k norms (Qwen3), RoPE, the paged cache write, the
+    injected attention and the output projection."""
+
+    def __init__(self, config: ModelConfig, dtype) -> None:
+        c = self.config = config
+        width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.qkv = _weight((c.hidden_size, width), dtype, (EMBED, QKV))
+        self.qkv_bias = _weight((width,), dtype, (QKV,)) if c.attention_bias else None
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, HEAD_DIM) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, HEAD_DIM) if c.qk_norm else None
+        self.o = _weight((c.num_heads * c.head_dim, c.hidden_size), dtype, (HEADS, EMBED))
+
+    def __call__(
+        self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, step: StepContext
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        c, b = self.config, step.batch
+        num_tokens = x.shape[0]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = step.matmul("qkv", self.qkv, x, layer)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...]
+        q = qkv[:, :q_size].reshape(num_tokens, c.num_heads, c.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, step.cos, step.sin), _rotate(k, step.cos, step.sin)
+        k_cache = k_cache.at[layer, step.write_block, step.write_offset].set(_as_stored(k, k_cache.dtype))
+        v_cache = v_cache.at[layer, step.write_block, step.write_offset].set(_as_stored(v, v_cache.dtype))
+        attn = step.attention(
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            b.kv_lens,
+            b.block_tables,
+            b.query_start,
+            b.num_seqs,
+            sm_scale=c.head_dim**-0.5,
+            sliding_window=c.sliding_window,
+        )
+        out = step.matmul("o", self.o, attn.reshape(num_tokens, q_size).astype(x.dtype), layer)
+        return out, k_cache, v_cache
+
+
+class GatedMLP(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype) -> None:
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_up = _weight((d, 2 * f), dtype, (EMBED, MLP))
+        self.down = _weight((f, d), dtype, (MLP, EMBED))
+
+    def __call__(self, x: jax.Array, layer: jax.Array, step: StepContext) -> jax.Array:
+        gate, up = jnp.split(step.matmul("gate_up", self.gate_up, x, layer), 2, axis=-1)
+        return step.matmul("down", self.down, jax.nn.silu(gate) * up, layer)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype) -> None:
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.attn_norm = RMSNorm(d, eps, dtype, EMBED)
+        self.attn = Attention(config, dtype)
+        self.mlp_norm = RMSNorm(d, eps, dtype, EMBED)
+        self.mlp = GatedMLP(config, dtype)
+
+    def __call__(
+        self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, step: StepContext
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        h, k_cache, v_cache = self.attn(self.attn_norm(x), k_cache, v_cache, layer, step)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x), layer, step), k_cache, v_cache
+
+
+def _layer_stack(config: ModelConfig, dtype) -> DecoderLayer:
+    """`config.num_layers` decoder layers as one module whose every leaf has a leading L axis."""
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def build(_: jax.Array) -> DecoderLayer:
+        return DecoderLayer(config, dtype)
+
+    return build(jnp.arange(config.num_layers))
+
+
+class CausalLM(nnx.Module):
+    """A Llama-family decoder over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, dtype=jnp.float32) -> None:
+        c = self.config = config
+        self.embed = Embedding(c.vocab_size, c.hidden_size, dtype)
+        self.layers = _layer_stack(c, dtype)
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, EMBED)
+        tied = c.tie_word_embeddings
+        self.lm_head = None if tied else _weight((c.hidden_size, c.vocab_size), dtype, (EMBED, VOCAB))
+
+    def __call__(
+        self,
+        kv_cache: KVCache,
+        batch: StepBatch,
+        *,
+        attention: Callable,
+        products: MatrixProducts = STACKED,
+    ) -> tuple[jax.Array, KVCache]:
+        """Run the step's tokens through the model; returns (float32 logits [R, V], updated cache)."""
+        c = self.config
+        dtype = self.final_norm.weight[...].dtype
+        block_size = kv_cache.k.shape[2]
+        angles = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
+        angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
+        step = StepContext(
+            batch,
+            jnp.cos(angles).astype(dtype),
+            jnp.sin(angles).astype(dtype),
+            batch.slot_mapping // block_size,
+            batch.slot_mapping % block_size,
+            batch.query_start[batch.num_seqs[0]],
+            attention,
+            products,
+        )
+        whole_paths = {LAYER_MATRICES[name] for name in products.whole_matrices}
+        graphdef, whole, sliced = nnx.split(self.layers, lambda path, _: tuple(path) in whole_paths, ...)
+
+        def layer(carry, xs):
+            state, index = xs
+            return nnx.merge(graphdef, whole, state)(*carry, index, step), None
+
+        x = self.embed(batch.token_ids, products)
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (sliced, layer_ids))
+        h = self.final_norm(x[batch.logits_indices])
+        tied = self.lm_head is None
+        head = self.embed.weight[...] if tied else self.lm_head[...]
+        return products.lm_head(head, h, batch.num_logits[0], tied=tied), KVCache(k_cache, v_cache)
+
+
+@functools.lru_cache(maxsize=32)
+def model_graphdef(config: ModelConfig) -> nnx.GraphDef:
+    """The static half of `nnx.split(CausalLM(config))` (built abstractly: nothing is allocated)."""
+    return nnx.graphdef(nnx.eval_shape(lambda: CausalLM(config)))
+
+
+def abstract_params(config: ModelConfig, dtype=jnp.float32) -> dict:
+    """The state tree of `CausalLM(config, dtype)` as ShapeDtypeStructs: what loaders and callers must provide."""
+    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: CausalLM(config, dtype))))
+
+
+def partition_specs(config: ModelConfig) -> dict:
+    """Each weight's logical axes as a PartitionSpec (the state tree's shape)."""
+    abstract = nnx.state(nnx.eval_shape(lambda: CausalLM(config)))
+    return nnx.to_pure_dict(nnx.get_partition_spec(abstract))
+
+
+def as_params(weights: dict | nnx.State | nnx.Module) -> dict:
+    """The plain state dict of a CausalLM, its nnx.State, or a state dict as it is."""
+    if isinstance(weights, nnx.Module):
+        weights = nnx.state(weights)
+    return nnx.to_pure_dict(weights) if isinstance(weights, nnx.State) else weights
+
+
+def params_dtype(params: dict):
+    """The dtype the model computes in: its weights'."""
+    return jnp.dtype(params["final_norm"]["weight"].dtype)
+
+
+def forward(
+    params: dict,
+    kv_cache: KVCache,
+    batch: StepBatch,
+    *,
+    config: ModelConfig,
+    attention: Callable,
+    products: MatrixProducts = STACKED,
+) -> tuple[jax.Array, KVCache]:
+    """The model as a pure function of its state dict (for jit, grad, and the runner's step)."""
+    model = nnx.merge(model_graphdef(config), params)
+    return model(kv_cache, batch, attention=attention, products=products)
 
 
 def _as_stored(x: jax.Array, dtype) -> jax.Array:
@@ -109,82 +361,8 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
-
-
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """transformers' rotate-half RoPE on [T, H, Dh] with cos/sin [T, 1, Dh]."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x * cos + rotated * sin).astype(x.dtype)
-
-
-def forward(
-    params: dict,
-    kv_cache: KVCache,
-    batch: StepBatch,
-    *,
-    config: ModelConfig,
-    attention: Callable,
-    products: MatrixProducts = STACKED,
-) -> tuple[jax.Array, KVCache]:
-    """Run the step's tokens through the model; returns (float32 logits [R, V], updated cache)."""
-    c = config
-    dtype = params["final_norm"].dtype
-    num_tokens = batch.token_ids.shape[0]
-    block_size = kv_cache.k.shape[2]
-    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-
-    angles = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
-    cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-    write_block, write_offset = batch.slot_mapping // block_size, batch.slot_mapping % block_size
-
-    live_tokens = batch.query_start[batch.num_seqs[0]]
-
-    def matmul(name: str, lp: dict, index: jax.Array, x: jax.Array) -> jax.Array:
-        return products.layer(params, lp, name, index, x, live_tokens)
-
-    def layer(carry, xs):
-        x, k_cache, v_cache = carry
-        lp, index = xs
-        h = _rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        qkv = matmul("w_qkv", lp, index, h)
-        if c.attention_bias:
-            qkv = qkv + lp["b_qkv"]
-        q = qkv[:, :q_size].reshape(num_tokens, c.num_heads, c.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, c.num_kv_heads, c.head_dim)
-        v = qkv[:, q_size + kv_size :].reshape(num_tokens, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = _rms_norm(q, lp["q_norm"], c.rms_norm_eps)
-            k = _rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        k_cache = k_cache.at[index, write_block, write_offset].set(_as_stored(k, k_cache.dtype))
-        v_cache = v_cache.at[index, write_block, write_offset].set(_as_stored(v, v_cache.dtype))
-        attn = attention(
-            q,
-            k_cache,
-            v_cache,
-            index,
-            batch.kv_lens,
-            batch.block_tables,
-            batch.query_start,
-            batch.num_seqs,
-            sm_scale=c.head_dim**-0.5,
-            sliding_window=c.sliding_window,
-        )
-        x = x + matmul("wo", lp, index, attn.reshape(num_tokens, q_size).astype(dtype))
-        h = _rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
-        gate, up = jnp.split(matmul("w_gate_up", lp, index, h), 2, axis=-1)
-        x = x + matmul("w_down", lp, index, jax.nn.silu(gate) * up)
-        return (x, k_cache, v_cache), None
-
-    x = products.embed(params, batch.token_ids)
-    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (params["layers"], layer_ids))
-    h = _rms_norm(x[batch.logits_indices], params["final_norm"], c.rms_norm_eps)
-    logits = products.lm_head(params, h, batch.num_logits[0])
-    return logits, KVCache(k_cache, v_cache)

@@ -1,4 +1,4 @@
-"""Turn transformers-named weights into jpaged's params pytree (see llama.py for its layout).
+"""Turn transformers-named weights into the state dict of jpaged's CausalLM (see llama.py for its tree).
 
 Every loader (HF safetensors, GGUF, hub) ends here, so the pytree is the same whatever the source.
 """
@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from flax.traverse_util import unflatten_dict
 from tqdm.auto import tqdm
 
 from jpaged.models.config import ModelConfig
@@ -17,38 +18,35 @@ GetTensor = Callable[[str], np.ndarray]  # transformers name -> array in transfo
 
 
 def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress: bool = True) -> dict:
-    """Build the params pytree (numpy, `dtype`) from tensors named as in transformers' Llama/Qwen modules."""
+    """The CausalLM state dict (numpy, `dtype`) from tensors named as in transformers' Llama/Qwen modules."""
 
     def linear(name: str) -> np.ndarray:  # [out, in] -> [in, out]
         return get(name).T
 
     per_layer: dict[str, list[np.ndarray]] = {}
 
-    def add(key: str, value: np.ndarray) -> None:
-        per_layer.setdefault(key, []).append(np.asarray(value, dtype=dtype))
+    def add(path: str, value: np.ndarray) -> None:
+        per_layer.setdefault(path, []).append(np.asarray(value, dtype=dtype))
 
     for i in tqdm(range(config.num_layers), desc="loading layers", disable=not progress, leave=False):
         p = f"model.layers.{i}."
-        add("attn_norm", get(p + "input_layernorm.weight"))
-        add("mlp_norm", get(p + "post_attention_layernorm.weight"))
-        qkv = [linear(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-        add("w_qkv", np.concatenate(qkv, axis=1))
+        add("attn_norm/weight", get(p + "input_layernorm.weight"))
+        add("mlp_norm/weight", get(p + "post_attention_layernorm.weight"))
+        add("attn/qkv", np.concatenate([linear(p + f"self_attn.{n}_proj.weight") for n in "qkv"], axis=1))
         if config.attention_bias:
-            add("b_qkv", np.concatenate([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            add("attn/qkv_bias", np.concatenate([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
         if config.qk_norm:
-            add("q_norm", get(p + "self_attn.q_norm.weight"))
-            add("k_norm", get(p + "self_attn.k_norm.weight"))
-        add("wo", linear(p + "self_attn.o_proj.weight"))
-        add(
-            "w_gate_up",
-            np.concatenate([linear(p + "mlp.gate_proj.weight"), linear(p + "mlp.up_proj.weight")], 1),
-        )
-        add("w_down", linear(p + "mlp.down_proj.weight"))
+            add("attn/q_norm/weight", get(p + "self_attn.q_norm.weight"))
+            add("attn/k_norm/weight", get(p + "self_attn.k_norm.weight"))
+        add("attn/o", linear(p + "self_attn.o_proj.weight"))
+        gate_up = [linear(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+        add("mlp/gate_up", np.concatenate(gate_up, axis=1))
+        add("mlp/down", linear(p + "mlp.down_proj.weight"))
 
     params = {
-        "embed": np.asarray(get("model.embed_tokens.weight"), dtype=dtype),
-        "final_norm": np.asarray(get("model.norm.weight"), dtype=dtype),
-        "layers": {k: np.stack(v) for k, v in per_layer.items()},
+        "embed": {"weight": np.asarray(get("model.embed_tokens.weight"), dtype=dtype)},
+        "final_norm": {"weight": np.asarray(get("model.norm.weight"), dtype=dtype)},
+        "layers": unflatten_dict({path: np.stack(v) for path, v in per_layer.items()}, sep="/"),
     }
     if not config.tie_word_embeddings:
         params["lm_head"] = np.asarray(linear("lm_head.weight"), dtype=dtype)
@@ -95,3 +93,29 @@ def random_params(config: ModelConfig, seed: int = 0, dtype=np.float32, std: flo
         return (rng.standard_normal(shapes[leaf]) * std).astype(np.float32)
 
     return params_from_hf_names(config, get, dtype, progress=False)
+
+
+def weights_spec(params: dict) -> dict:
+    """The params' tree with each leaf's shape and dtype only (what the compiled steps depend on)."""
+    return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype), params)
+
+
+def check_same_leaves(expected: dict, given: dict, given_as: str = "the new weights") -> None:
+    """`given` must have `expected`'s leaves (same paths, shapes, dtypes), so every compiled step takes them;
+    raises ValueError naming the first leaf that differs."""
+    flatten = jax.tree_util.tree_flatten_with_path
+    ours = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(expected)[0]}
+    theirs = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(given)[0]}
+    for path, leaf in ours.items():
+        if path not in theirs:
+            raise ValueError(f"params{path} is missing from {given_as}")
+        other = theirs[path]
+        shape, dtype = np.shape(other), getattr(other, "dtype", None)
+        if shape != np.shape(leaf) or dtype != leaf.dtype:
+            raise ValueError(
+                f"params{path} is {dtype}{list(shape)} in {given_as}, the model's is {leaf.dtype}"
+                f"{list(np.shape(leaf))}: weights must keep every leaf's shape and dtype"
+            )
+    extra = next((path for path in theirs if path not in ours), None)
+    if extra is not None:
+        raise ValueError(f"params{extra} in {given_as} is not one of the model's weights")

@@ -1,5 +1,5 @@
 """The device step as one pure function of (params, KV cache, batch, sampling inputs): copy-on-write block
-copies, the model, then sampling. The runner jits it once per shape bucket with the cache donated."""
+copies, the model (its NNX graph merged with the params, the state dict), then sampling. The runner jits it once per shape bucket with the cache donated."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jpaged.models.config import ModelConfig
-from jpaged.models.llama import KVCache, MatrixProducts, forward
+from jpaged.models.llama import KVCache, MatrixProducts
 from jpaged.runner.sampler import gather_logprobs, sample
 
 
@@ -22,7 +22,7 @@ def device_step(
     copies,
     prompt_targets,
     *,
-    config,
+    graphdef,
     attention,
     products,
     num_logprobs,
@@ -31,7 +31,8 @@ def device_step(
     """With `prompt_targets` [T] (the prompt-logprobs variant), the batch asks for the logits of every token after
     the S sampled rows, and the logprobs of each token's next prompt token come back too."""
     kv_cache = copy_blocks(kv_cache, copies)
-    logits, kv_cache = forward(params, kv_cache, batch, config=config, attention=attention, products=products)
+    model = nnx.merge(graphdef, params)
+    logits, kv_cache = model(kv_cache, batch, attention=attention, products=products)
     num_rows = sampling.temperature.shape[0]
     sampled = sample(logits[:num_rows], sampling, num_logprobs=num_logprobs)
     if prompt_targets is None:
@@ -39,9 +40,10 @@ def device_step(
     return kv_cache, sampled, gather_logprobs(logits[num_rows:], prompt_targets, num_prompt_logprobs)
 
 
-def bind_step(config: ModelConfig, attention: Callable, products: MatrixProducts) -> Callable:
-    """`device_step` for one model, attention implementation and weight layout (all static)."""
-    return functools.partial(device_step, config=config, attention=attention, products=products)
+def bind_step(graphdef: nnx.GraphDef, attention: Callable, products: MatrixProducts) -> Callable:
+    """`device_step` for one model (the static half of its `nnx.split`), attention implementation and weight
+    layout (all static)."""
+    return functools.partial(device_step, graphdef=graphdef, attention=attention, products=products)
 
 
 def copy_blocks(kv_cache: KVCache, copies: jax.Array) -> KVCache:

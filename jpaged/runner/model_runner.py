@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
-from jpaged.models.llama import KVCache, init_kv_cache
+from jpaged.models.llama import KVCache, init_kv_cache, model_graphdef, params_dtype
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.rounding import cdiv
@@ -62,7 +62,7 @@ class ModelRunner:
         self.model_config = model_config
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
-        self.dtype = jnp.dtype(params["embed"].dtype)
+        self.dtype = params_dtype(params)
         self.products = products = choose_products(params)
         self.params = jax.device_put(products.layout(params))
         self._host_params = None  # the weights while asleep (sleep level 1)
@@ -80,9 +80,9 @@ class ModelRunner:
             mc = model_config
             shape = (mc.num_layers, num_swap_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
             self.swap_space = HostSwapSpace(shape, self.kv_dtype)
-        step = bind_step(
-            model_config, _attention_for(config, model_config, self.attention_impl, self.dtype), products
-        )
+        self.graphdef = model_graphdef(model_config)
+        attention = _attention_for(config, model_config, self.attention_impl, self.dtype)
+        step = bind_step(self.graphdef, attention, products)
         self._step = jax.jit(step, static_argnames=("num_logprobs", "num_prompt_logprobs"), donate_argnums=1)
         self._saved = step_cache(config.compilation_cache_dir)
         self._compiled: dict = {}
@@ -296,7 +296,7 @@ def activation_peak_bytes(
     Sizing the KV pool on an accelerator subtracts this, so the pool never squeezes out the step's activations.
     Everything is abstract (ShapeDtypeStructs): nothing is allocated to measure it.
     """
-    dtype = jnp.dtype(params["embed"].dtype)
+    dtype = params_dtype(params)
     abstract = functools.partial(jax.tree_util.tree_map, lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype))
     cache_shape = (
         model_config.num_layers,
@@ -312,7 +312,9 @@ def activation_peak_bytes(
     products = choose_products(abstract(params))
     attention = _attention_for(config, model_config, config.attention_impl, dtype)
     step = functools.partial(
-        bind_step(model_config, attention, products), num_logprobs=None, num_prompt_logprobs=None
+        bind_step(model_graphdef(model_config), attention, products),
+        num_logprobs=None,
+        num_prompt_logprobs=None,
     )
     copies = np.zeros((seqs, 2), np.int32)
     device_params = jax.eval_shape(products.layout, abstract(params))
