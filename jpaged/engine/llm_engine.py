@@ -234,11 +234,11 @@ class LLMEngine:
         seqs, num_new_tokens = plan.seqs, plan.num_new_tokens
         if self.beams.active:
             seqs, num_new_tokens = self.beams.keep_in_lockstep(seqs, num_new_tokens)
+        self.runner.copy_blocks(plan.copies)  # before the step that writes into the copies
         if not seqs:
-            self.runner.copy_blocks(plan.copies)
             return None
         tables = self.blocks.block_tables([seq.seq_id for seq in seqs])
-        scheduled = scheduled_step(seqs, num_new_tokens, tables, plan.copies)
+        scheduled = scheduled_step(seqs, num_new_tokens, tables)
         self.counters["prompt_tokens"] += scheduled.num_first_prompt_tokens
         return scheduled
 

@@ -36,7 +36,6 @@ def scheduled_step(
     seqs: list[SequenceState],
     num_new_tokens: list[int],
     block_tables: np.ndarray,
-    copies: list[tuple[int, int]],
 ) -> ScheduledStep:
     """The step of these scheduled sequences (block table of seqs[i] in row i of `block_tables`)."""
     row_seqs: list[SequenceState] = []
@@ -68,7 +67,6 @@ def scheduled_step(
         num_new_tokens,
         block_tables,
         sample_rows,
-        copies,
         [(i, seqs[i].request.prompt_token_ids) for i in prompt_logprob_seqs],
         logprobs_bucket(seqs[i].request.params.prompt_logprobs for i in prompt_logprob_seqs),
     )

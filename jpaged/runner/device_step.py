@@ -1,5 +1,5 @@
-"""The device step as one pure function of (params, KV cache, batch, sampling inputs): copy-on-write block
-copies, the model (its NNX graph merged with the params, the state dict), then sampling. The runner jits it once per shape bucket with the cache donated."""
+"""The device step as one pure function of (params, KV cache, batch, sampling inputs): the model (its NNX graph
+merged with the params, the state dict), then sampling. The runner jits it once per shape bucket with the cache donated."""
 
 from __future__ import annotations
 
@@ -7,30 +7,29 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.models.llama import KVCache, MatrixProducts
+from jpaged.runner.packed_inputs import unpack
 from jpaged.runner.sampler import gather_logprobs, sample
 
 
 def device_step(
     params,
     kv_cache,
-    batch,
-    sampling,
-    copies,
-    prompt_targets,
+    packed,
     *,
+    layout,
     graphdef,
     attention,
     products,
     num_logprobs,
     num_prompt_logprobs,
 ):
-    """With `prompt_targets` [T] (the prompt-logprobs variant), the batch asks for the logits of every token after
-    the S sampled rows, and the logprobs of each token's next prompt token come back too."""
-    kv_cache = copy_blocks(kv_cache, copies)
+    """`packed` holds the step's batch, sampling tensors and prompt targets (packed_inputs.py). With prompt
+    targets [T] (the prompt-logprobs variant), the batch asks for the logits of every token after the S sampled
+    rows, and the logprobs of each token's next prompt token come back too."""
+    batch, sampling, prompt_targets = unpack(packed, layout)
     model = nnx.merge(graphdef, params)
     logits, kv_cache = model(kv_cache, batch, attention=attention, products=products)
     num_rows = sampling.temperature.shape[0]
@@ -47,15 +46,12 @@ def bind_step(graphdef: nnx.GraphDef, attention: Callable, products: MatrixProdu
 
 
 def copy_blocks(kv_cache: KVCache, copies: jax.Array) -> KVCache:
-    """Copy block src to block dst, all layers, for each (src, dst) row of `copies` [S, 2] up to the first padding
-    row (dst 0, the null block). A loop over the real copies only: most steps have none, and a batched gather and
-    scatter of all S rows would move every row's blocks to copy nothing."""
-
-    def copy(i: jax.Array, cache: KVCache) -> KVCache:
-        src, dst = copies[i, 0], copies[i, 1]
-        return KVCache(*(pages.at[:, dst].set(pages[:, src]) for pages in cache))
-
-    return jax.lax.fori_loop(0, jnp.sum(copies[:, 1] > 0), copy, kv_cache)
+    """Copy block src to block dst, all layers, for each (src, dst) row of `copies` [R, 2]; padding rows are
+    (0, 0), the null block onto itself. One gather and one scatter of fixed shape (no loop whose trip count the
+    device decides), run by the runner before a step that has copies: no dst is also a src (dst blocks are
+    fresh)."""
+    src, dst = copies[:, 0], copies[:, 1]
+    return KVCache(*(pages.at[:, dst].set(pages[:, src]) for pages in kv_cache))
 
 
 def scatter_blocks(kv_cache: KVCache, ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:

@@ -29,6 +29,7 @@ from jpaged.rounding import cdiv
 from jpaged.runner.device_step import bind_step, copy_blocks, scatter_blocks
 from jpaged.runner.executable_cache import step_cache
 from jpaged.runner.kv_transfer import HostSwapSpace
+from jpaged.runner.packed_inputs import PackedLayout, pack
 from jpaged.runner.sampling_inputs import SamplerOutput, SamplingRow, SamplingTensors, step_sampling_tensors
 from jpaged.runner.step_batch import PreparedStep, StepSchedule, dummy_batch, pad_batch
 from jpaged.runner.step_shapes import StepShapes
@@ -83,7 +84,9 @@ class ModelRunner:
         self.graphdef = model_graphdef(model_config)
         attention = _attention_for(config, model_config, self.attention_impl, self.dtype)
         step = bind_step(self.graphdef, attention, products)
-        self._step = jax.jit(step, static_argnames=("num_logprobs", "num_prompt_logprobs"), donate_argnums=1)
+        self._step = jax.jit(
+            step, static_argnames=("layout", "num_logprobs", "num_prompt_logprobs"), donate_argnums=1
+        )
         self._saved = step_cache(config.compilation_cache_dir)
         self._compiled: dict = {}
         self._not_run: dict = {}  # warm-up shapes never run yet -> their dummy (batch, sampling); see warmup
@@ -91,6 +94,7 @@ class ModelRunner:
         self.warmed_up = False
         self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=0)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
+        self._copy_programs: dict = {}  # rows -> compiled copy_blocks
 
     # ---- a step ----
 
@@ -103,35 +107,33 @@ class ModelRunner:
 
     def execute(self, step: PreparedStep, sampling: SamplingTensors, num_logprobs: int | None) -> StepOutput:
         """Run the step on the device; its sampled rows (and prompt logprobs) come back as numpy arrays."""
-        args = (self.params, self.kv_cache, step.batch, sampling, step.copies, step.prompt_targets)
-        compiled = self._compiled_for(args, num_logprobs, step.num_prompt_logprobs)
-        self.kv_cache, sampled, prompt = compiled(*args)
+        packed, layout = pack((step.batch, sampling, step.prompt_targets))  # one transfer
+        compiled = self._compiled_for(layout, num_logprobs, step.num_prompt_logprobs)
+        self.kv_cache, sampled, prompt = compiled(self.params, self.kv_cache, packed)
         to_host = functools.partial(jax.tree_util.tree_map, np.asarray)
         return StepOutput(to_host(sampled), to_host(prompt))
 
-    def _compiled_for(self, args, num_logprobs, num_prompt_logprobs=None):
-        key = self._key(args, num_logprobs, num_prompt_logprobs)
+    def _compiled_for(self, layout: PackedLayout, num_logprobs, num_prompt_logprobs=None):
+        key = (layout, num_logprobs, num_prompt_logprobs)
         self._not_run.pop(key, None)
         compiled = self._compiled.get(key)
         if compiled is None:
             if self.warmed_up:
                 logger.warning(
                     "compiling a new step shape after warm-up: %s, logprobs=%s, prompt logprobs=%s",
-                    key[0][1],
+                    [shape for shape, _, _ in layout.arrays],
                     num_logprobs,
                     num_prompt_logprobs,
                 )
-            compiled = self._compiled[key] = self._compile(args, num_logprobs, num_prompt_logprobs)
+            compiled = self._compiled[key] = self._compile(layout, num_logprobs, num_prompt_logprobs)
             self.num_compilations += 1
         return compiled
 
-    @staticmethod
-    def _key(args, num_logprobs, num_prompt_logprobs) -> tuple:
-        shapes = tuple((np.shape(x), np.result_type(x)) for x in jax.tree_util.tree_leaves(args[2:]))
-        return (jax.tree_util.tree_structure(args), shapes), num_logprobs, num_prompt_logprobs
-
-    def _compile(self, args, num_logprobs, num_prompt_logprobs):
-        """The step for these inputs: loaded from the executable cache, else traced, lowered and compiled."""
+    def _compile(self, layout: PackedLayout, num_logprobs, num_prompt_logprobs):
+        """The step for inputs of this layout: loaded from the executable cache, else traced, lowered and
+        compiled."""
+        packed = np.zeros(sum(int(np.prod(shape)) for shape, _, _ in layout.arrays), np.int32)
+        args = (self.params, self.kv_cache, packed)
         leaves = [
             (np.shape(x), str(x.dtype), str(getattr(x, "sharding", "")))
             for x in jax.tree_util.tree_leaves(args)
@@ -139,6 +141,8 @@ class ModelRunner:
         key = (
             str(jax.tree_util.tree_structure(args)),
             leaves,
+            str(layout.treedef),
+            layout.arrays,
             repr(self.model_config),
             self.attention_impl,
             num_logprobs,
@@ -147,7 +151,7 @@ class ModelRunner:
         return self._saved.get_or_compile(
             key,
             lambda: self._step.lower(
-                *args, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs
+                *args, layout=layout, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs
             ).compile(),
         )
 
@@ -155,7 +159,7 @@ class ModelRunner:
 
     def _dummy_step(self, num_tokens: int, num_seqs: int) -> tuple[PreparedStep, SamplingTensors]:
         batch = dummy_batch(num_tokens, num_seqs, self.max_blocks_per_seq)
-        return PreparedStep(batch, np.zeros((num_seqs, 2), np.int32)), self.sampling_tensors([], num_seqs)
+        return PreparedStep(batch), self.sampling_tensors([], num_seqs)
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every (T, S) bucket pair that can occur, one compile per core at a time (XLA compiles outside
@@ -170,19 +174,21 @@ class ModelRunner:
         jobs = []
         for t, s in self.shapes.all_shapes():
             step, tensors = self._dummy_step(t, s)
-            args = (self.params, self.kv_cache, step.batch, tensors, step.copies, None)
-            jobs.append((args, step))
+            _, layout = pack((step.batch, tensors, None))
+            jobs.append((layout, step, tensors))
         with (
             ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
             tqdm(total=len(jobs), desc="warm-up (compiling step shapes)", disable=not progress) as bar,
         ):
-            futures = [(args, step, pool.submit(self._compile, args, None, None)) for args, step in jobs]
-            for args, step, future in futures:
-                key = self._key(args, None, None)
+            futures = [(job, pool.submit(self._compile, job[0], None, None)) for job in jobs]
+            for (layout, step, tensors), future in futures:
+                key = (layout, None, None)
                 self._compiled[key] = future.result()
-                self._not_run[key] = (step, args[3])
+                self._not_run[key] = (step, tensors)
                 self.num_compilations += 1
                 bar.update(1)
+        for rows in self.copy_sizes:
+            self._copy_program(rows)
         compiled_in = time.perf_counter() - start
         limit = self.config.max_num_seqs
         decode_sized = [(p, t) for p, t in self._not_run.values() if p.batch.token_ids.shape[0] <= limit]
@@ -258,12 +264,31 @@ class ModelRunner:
     # ---- KV blocks outside a step ----
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write copies of a step that ended up running nothing: they cannot wait for the next one."""
-        if copies:
-            rows = self.config.max_num_seqs * cdiv(len(copies) + 1, self.config.max_num_seqs)  # one shape
-            padded = np.zeros((rows, 2), np.int32)  # a (0, 0) row ends the copies
-            padded[: len(copies)] = copies
-            self.kv_cache = self._copy_blocks(self.kv_cache, padded)
+        """Copy-on-write copies (src, dst), before the step that writes into them: at most max_num_seqs at a
+        time, padded to a power of two (each size compiled at warm-up; most steps have none)."""
+        largest = self.copy_sizes[-1]
+        for start in range(0, len(copies), largest):
+            chunk = copies[start : start + largest]
+            rows = next(rows for rows in self.copy_sizes if rows >= len(chunk))
+            padded = np.zeros((rows, 2), np.int32)  # (0, 0): the null block onto itself
+            padded[: len(chunk)] = chunk
+            self.kv_cache = self._copy_program(rows)(self.kv_cache, padded)
+
+    @property
+    def copy_sizes(self) -> list[int]:
+        """Row counts of the copy programs (powers of two, then max_num_seqs), each compiled at warm-up."""
+        return [2**i for i in range((self.config.max_num_seqs - 1).bit_length())] + [self.config.max_num_seqs]
+
+    def _copy_program(self, rows: int):
+        program = self._copy_programs.get(rows)
+        if program is None:
+            copies = np.zeros((rows, 2), np.int32)
+            key = ("copy_blocks", rows, [(np.shape(x), str(x.dtype)) for x in self.kv_cache])
+            program = self._saved.get_or_compile(
+                key, lambda: self._copy_blocks.lower(self.kv_cache, copies).compile()
+            )
+            self._copy_programs[rows] = program
+        return program
 
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         """Blocks to host memory (swap_out: (block, slot)) and back (swap_in: (slot, block))."""
@@ -311,13 +336,14 @@ def activation_peak_bytes(
     sampling = step_sampling_tensors([], seqs, model_config.vocab_size)
     products = choose_products(abstract(params))
     attention = _attention_for(config, model_config, config.attention_impl, dtype)
+    packed, layout = pack((batch, sampling, None))
     step = functools.partial(
         bind_step(model_graphdef(model_config), attention, products),
+        layout=layout,
         num_logprobs=None,
         num_prompt_logprobs=None,
     )
-    copies = np.zeros((seqs, 2), np.int32)
     device_params = jax.eval_shape(products.layout, abstract(params))
-    compiled = jax.jit(step).lower(device_params, cache, batch, sampling, copies, None).compile()
+    compiled = jax.jit(step).lower(device_params, cache, packed).compile()
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0

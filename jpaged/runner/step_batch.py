@@ -28,7 +28,6 @@ class StepSchedule:
     num_new_tokens: list[int]
     block_tables: np.ndarray
     sample_rows: list[int]  # the scheduled index of each sampled row (a first token fans out to n rows)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
     # Sequences that compute prompt logprobs: (scheduled index, its prompt's token ids), and the top-K width.
     prompt_logprob_seqs: list[tuple[int, Sequence[int]]] = field(default_factory=list)
     num_prompt_logprobs: int | None = None
@@ -40,7 +39,6 @@ class PreparedStep:
     prompt token (the target of its logprob) and the batch asks for every token's logits after the sampled rows."""
 
     batch: StepBatch
-    copies: np.ndarray  # [S, 2] int32, (src, dst) rows up to the first (0, 0)
     prompt_targets: np.ndarray | None = None
     num_prompt_logprobs: int | None = None
 
@@ -107,10 +105,7 @@ def pad_batch(schedule: StepSchedule, shapes: StepShapes, block_size: int, table
         logits_indices,
         np.array([num_logits], np.int32),
     )
-    copies = np.zeros((s_bucket, 2), np.int32)
-    if schedule.copies:
-        copies[: len(schedule.copies)] = schedule.copies
-    return PreparedStep(batch, copies, prompt_targets, schedule.num_prompt_logprobs)
+    return PreparedStep(batch, prompt_targets, schedule.num_prompt_logprobs)
 
 
 def dummy_batch(num_tokens: int, num_seqs: int, table_width: int) -> StepBatch:

@@ -1,0 +1,82 @@
+"""The programs a GPU runs each step loop only as many times as the host decided: XLA:GPU reads a loop's predicate
+back to the host on every trip when the device decides the trip count, and cannot capture such a step as one
+command buffer (CUDA graph). Loops with a trip count fixed at trace time are scans, which it runs without."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.config import EngineConfig
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.models.llama import STACKED, abstract_params, init_kv_cache, model_graphdef
+from jpaged.pallas import gpu
+from jpaged.runner.device_step import bind_step, copy_blocks
+from jpaged.runner.packed_inputs import pack
+from jpaged.runner.sampling_inputs import step_sampling_tensors
+from jpaged.runner.step_batch import dummy_batch
+
+BLOCK_SIZE = 16
+
+
+def primitives(jaxpr) -> set[str]:
+    """Every primitive of a jaxpr and its sub-jaxprs, kernels' insides excluded (they run on the device)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's own
+                if hasattr(sub, "eqns"):
+                    names |= primitives(sub)
+    return names
+
+
+def cache_spec(config, num_blocks: int = 64):
+    return jax.eval_shape(lambda: init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.bfloat16))
+
+
+def test_the_gpu_step_has_no_loop_whose_trip_count_the_device_decides(tiny_llama):
+    config = tiny_llama.config
+    step = bind_step(model_graphdef(config), gpu.ragged_paged_attention_stacked, STACKED)
+    for tokens, seqs in ((8, 8), (64, 4)):  # a decode bucket and a prefill bucket
+        batch = dummy_batch(tokens, seqs, 8)
+        sampling = step_sampling_tensors([], seqs, config.vocab_size)  # keys and top-k/top-p: every stage
+        packed, layout = pack((batch, sampling, None))
+        bound = functools.partial(step, layout=layout, num_logprobs=5, num_prompt_logprobs=None)
+        jaxpr = jax.make_jaxpr(bound)(abstract_params(config, jnp.bfloat16), cache_spec(config), packed)
+        found = primitives(jaxpr.jaxpr)
+        assert "pallas_call" in found and "scan" in found  # the kernel, the layer scan: the walk sees them
+        assert "while" not in found
+
+
+def test_copy_on_write_copies_are_one_gather_and_scatter_of_a_shape_the_host_chose(tiny_llama):
+    jaxpr = jax.make_jaxpr(copy_blocks)(cache_spec(tiny_llama.config), np.zeros((8, 2), np.int32))
+    found = primitives(jaxpr.jaxpr)
+    assert "scatter" in found and "while" not in found
+
+
+def test_copies_beyond_a_program_are_made_in_chunks_and_touch_no_other_block(tiny_llama):
+    config = EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_blocks=32, enforce_eager=True
+    )
+    runner = LLMEngine(config, model=tiny_llama).runner
+    assert runner.copy_sizes == [1, 2, 4]
+    rng = np.random.default_rng(0)
+    blocks = list(range(1, 32))
+    shape = runner.kv_cache.k[:, 1:].shape
+    k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    runner.write_blocks(blocks, k, v)
+    copies = [(src, src + 15) for src in range(1, 10)]  # nine: chunks of 4, 4 and 1
+    runner.copy_blocks(copies)
+    k_after, v_after = runner.read_blocks(blocks)
+    expected_k, expected_v = k.copy(), v.copy()
+    for src, dst in copies:
+        expected_k[:, dst - 1], expected_v[:, dst - 1] = k[:, src - 1], v[:, src - 1]
+    np.testing.assert_array_equal(k_after, expected_k)
+    np.testing.assert_array_equal(v_after, expected_v)
