@@ -286,6 +286,41 @@ def test_stacked_cache_attends_over_the_requested_layer_only(cfg):
     assert relative_error(np.asarray(out), oracle(cfg, [q, k_pages, v_pages, *metadata]), step) < 1e-5
 
 
+GPU_DECODES = [c for c in CONFIGS if getattr(c, "kernel", None) == "gpu" and c.bucket is DECODE]
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+@pytest.mark.parametrize("cfg", GPU_DECODES, ids=lambda c: c.id)
+def test_split_kv_decode_matches_float64_numpy(cfg, num_splits):
+    """Each sequence's KV range split `num_splits` ways (some splits see no key at all) and combined."""
+    rng = np.random.default_rng(zlib.crc32(f"{cfg.id}-{num_splits}".encode()))
+    options = dict(sm_scale=sm_scale(cfg), sliding_window=cfg.sliding_window, logits_soft_cap=cfg.soft_cap)
+    kernel = jax.jit(
+        functools.partial(
+            gpu.ragged_paged_attention,
+            **options,
+            interpret=True,
+            tiling=gpu.DECODE_TILING,
+            num_splits=num_splits,
+        )
+    )
+    for stale in (None, np.nan):
+        step = draw_step(rng, cfg, stale_value=stale)
+        args = device_args(step, cfg.dtype)
+        out = np.asarray(kernel(*args).astype(jnp.float32))
+        assert np.isfinite(out).all()
+        assert relative_error(out, oracle(cfg, args), step) < TOLERANCE[cfg.dtype]
+
+
+def test_small_decode_buckets_split_the_kv_range_and_large_or_prefill_ones_do_not():
+    # SmolLM2 (3 KV heads) at one sequence and a 4k context: 3 programs without splitting.
+    assert gpu.choose_num_splits(num_tokens=1, num_seq_slots=1, num_kv_heads=3, max_kv_len=4096) == 8
+    assert gpu.choose_num_splits(num_tokens=8, num_seq_slots=8, num_kv_heads=8, max_kv_len=4096) == 4
+    assert gpu.choose_num_splits(num_tokens=256, num_seq_slots=256, num_kv_heads=8, max_kv_len=4096) == 1
+    assert gpu.choose_num_splits(num_tokens=1, num_seq_slots=1, num_kv_heads=8, max_kv_len=512) == 1  # short
+    assert gpu.choose_num_splits(num_tokens=2048, num_seq_slots=8, num_kv_heads=3, max_kv_len=4096) == 1
+
+
 def test_decode_heavy_buckets_take_short_tiles_and_prefill_buckets_tall_ones():
     assert gpu.choose_tiling(num_tokens=256, num_seq_slots=256, group=4) == gpu.DECODE_TILING
     assert gpu.choose_tiling(num_tokens=16, num_seq_slots=8, group=4) == gpu.DECODE_TILING

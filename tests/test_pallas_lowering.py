@@ -23,7 +23,8 @@ TRITON_CALL = "__gpu$xla.gpu.triton"  # Pallas-Triton's custom call: no export c
 MOSAIC_TPU_CALL = "tpu_custom_call"  # stable, exportable without disabling any check
 
 BLOCK_SIZE = 16
-BUCKETS = {"decode": (256, 256), "prefill": (2048, 8)}  # (tokens T, sequence slots S)
+# (tokens T, sequence slots S); "decode-few" splits the KV range on GPU (pallas.gpu.choose_num_splits)
+BUCKETS = {"decode": (256, 256), "decode-few": (8, 8), "prefill": (2048, 8)}
 MAX_MODEL_LEN = 4096
 # (query heads, KV heads, head dim) of models the engine serves; TPU needs tileable KV head counts.
 GPU_MODELS = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128), "phi2": (32, 32, 80)}

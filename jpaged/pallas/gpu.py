@@ -14,6 +14,11 @@ only the KV positions its queries can see: its sequence's own pages, up to its l
 from its first query's sliding-window start). Softmax is online, in float32.
 
 Tilings are static: a decode-heavy step (T <= 2 S) uses 16-row tiles, anything else 64-row tiles.
+
+Split-KV (flash-decoding): a decode bucket with few sequence slots would give the GPU only Hk x S programs (3 x 1
+for SmolLM2 at batch 1, on an H200's 132 SMs), so its KV range is split `num_splits` ways, a third grid axis; each
+program keeps its softmax's running max, sum and unnormalised output for its part, and XLA combines the parts.
+The bucket decides (`choose_num_splits`), from its shapes only.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ class GpuTiling:
 
 DECODE_TILING = GpuTiling(rows=16, kv_tokens=128)
 PREFILL_TILING = GpuTiling(rows=64, kv_tokens=64)
+TARGET_PROGRAMS = 256  # about two per SM of an H200 (132 SMs): what split-KV fills a small decode step up to
+MAX_SPLITS = 16
+MIN_SPLIT_KEYS = 512  # keys a split must have at full context to be worth its share of the combine
 
 
 def choose_tiling(num_tokens: int, num_seq_slots: int, group: int) -> GpuTiling:
@@ -50,6 +58,15 @@ def choose_tiling(num_tokens: int, num_seq_slots: int, group: int) -> GpuTiling:
     if group > tiling.rows:  # a tile must hold at least one token's whole GQA group
         tiling = dataclasses.replace(tiling, rows=pl.next_power_of_2(group))
     return tiling
+
+
+def choose_num_splits(num_tokens: int, num_seq_slots: int, num_kv_heads: int, max_kv_len: int) -> int:
+    """How many ways a decode bucket splits each sequence's KV range: enough programs to fill the GPU, each split
+    with at least MIN_SPLIT_KEYS keys at the bucket's longest context; 1 (no split) for prefill buckets."""
+    if num_tokens > 2 * num_seq_slots:
+        return 1
+    splits = min(MAX_SPLITS, max_kv_len // MIN_SPLIT_KEYS, TARGET_PROGRAMS // (num_kv_heads * num_seq_slots))
+    return 1 << (splits.bit_length() - 1) if splits >= 2 else 1
 
 
 def _kernel(
@@ -61,24 +78,26 @@ def _kernel(
     q_ref,  # [T + TT, Hq, D]
     k_ref,  # [L, N, B, D] (this program's KV head)
     v_ref,  # [L, N, B, D]
-    out_init_ref,  # [T + TT, Hq, D], aliased to out_ref
-    out_ref,  # [T + TT, Hq, D]
-    *,
+    *outputs,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     tiling: GpuTiling,
     group: int,
     search_steps: int,
+    num_splits: int,
 ):
-    del out_init_ref  # only there so rows no tile writes (padding) read as zeros
+    """`outputs`: with one split, (out_init, out) [T + TT, Hq, D]; with several, the initial values then the
+    parts: (acc_init, max_init, sum_init, acc, max, sum), acc [K, T + TT, Hq, D] (unnormalised, float32), max and
+    sum [K, T + TT, Hq]. Each `*_init` is aliased to its output, so rows no tile writes (padding) keep it."""
+    results = outputs[len(outputs) // 2 :]
     head_dim = q_ref.shape[-1]
     lanes = pl.next_power_of_2(head_dim)  # Triton blocks are powers of two; extra lanes are masked
     block_size = k_ref.shape[2]
     table_width = block_tables_ref.shape[1]
     rows, kv_tokens = tiling.rows, tiling.kv_tokens
     tile_tokens = rows // group
-    kv_head, tile = pl.program_id(0), pl.program_id(1)
+    kv_head, tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     num_seqs = num_seqs_ref[0]
     seq = find_tile_sequence(query_start_ref, tile, num_seqs, tile_tokens, search_steps)
@@ -153,10 +172,21 @@ def _kernel(
             jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, lanes), jnp.float32),
         )
-        _, denom, acc = lax.fori_loop(0, num_steps, step, init)
-        out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
+        steps_per_split = pl.cdiv(num_steps, num_splits)
+        first_step = split * steps_per_split
+        last_step = jnp.minimum(first_step + steps_per_split, num_steps)
+        m, denom, acc = lax.fori_loop(first_step, last_step, step, init)
         store_mask = row_valid[:, None] & dim_ok
-        pltriton.store(out_ref.at[token_idx, head_idx, dim_idx], out.astype(out_ref.dtype), mask=store_mask)
+        if num_splits == 1:
+            (out_ref,) = results
+            out = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(out_ref.dtype)
+            pltriton.store(out_ref.at[token_idx, head_idx, dim_idx], out, mask=store_mask)
+            return
+        acc_ref, max_ref, sum_ref = results
+        pltriton.store(acc_ref.at[split, token_idx, head_idx, dim_idx], acc, mask=store_mask)
+        rows_idx = (split, token_idx[:, 0], head_idx[:, 0])
+        pltriton.store(max_ref.at[rows_idx], m, mask=row_valid)
+        pltriton.store(sum_ref.at[rows_idx], denom, mask=row_valid)
 
 
 def ragged_paged_attention_stacked(
@@ -174,10 +204,11 @@ def ragged_paged_attention_stacked(
     logits_soft_cap: float | None = None,
     interpret: bool = False,
     tiling: GpuTiling | None = None,
+    num_splits: int | None = None,
 ) -> jax.Array:
     """Attention over layer `layer` of a stacked cache `[L, N, B, Hk, D]`, read in place (no per-layer copy).
 
-    `tiling` overrides the static choice (tests use it to run both tilings on any shapes).
+    `tiling` and `num_splits` override the static choices (tests use them to run every path on any shapes).
     """
     check_inputs(
         q, k_cache, v_cache, kv_lens, block_tables, query_start, num_seqs, sliding_window, logits_soft_cap
@@ -193,6 +224,9 @@ def ragged_paged_attention_stacked(
     if tile_tokens < 1:
         raise ValueError(f"tiling.rows ({tiling.rows}) must be at least the GQA group ({group})")
     num_tiles = pl.cdiv(num_tokens, tile_tokens) + num_seq_slots  # bound on sum_s ceil(q_len_s / tile_tokens)
+    if num_splits is None:
+        max_kv_len = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(num_tokens, num_seq_slots, num_kv_heads, max_kv_len)
     kernel = functools.partial(
         _kernel,
         sm_scale=float(sm_scale),
@@ -201,24 +235,50 @@ def ragged_paged_attention_stacked(
         tiling=tiling,
         group=group,
         search_steps=max(1, int(num_seq_slots).bit_length()),
+        num_splits=num_splits,
     )
     padded_q = jnp.pad(q, ((0, tile_tokens), (0, 0), (0, 0)))
-    whole = lambda shape: pl.BlockSpec(shape, lambda h, t: (0,) * len(shape))  # noqa: E731
-    kv_spec = pl.BlockSpec((num_layers, num_blocks, block_size, None, head_dim), lambda h, t: (0, 0, 0, h, 0))
+    rows_shape = padded_q.shape[:2]
+    if num_splits == 1:
+        initial = (jnp.zeros_like(padded_q),)
+    else:
+        initial = (
+            jnp.zeros((num_splits, *padded_q.shape), jnp.float32),
+            jnp.full((num_splits, *rows_shape), NEG_INF, jnp.float32),
+            jnp.zeros((num_splits, *rows_shape), jnp.float32),
+        )
+    whole = lambda shape: pl.BlockSpec(shape, lambda h, t, k: (0,) * len(shape))  # noqa: E731
+    kv_spec = pl.BlockSpec(
+        (num_layers, num_blocks, block_size, None, head_dim), lambda h, t, k: (0, 0, 0, h, 0)
+    )
     metadata = (jnp.reshape(layer, (1,)).astype(jnp.int32), kv_lens, block_tables, query_start, num_seqs)
-    out = pl.pallas_call(
+    inputs = (*metadata, padded_q, k_cache, v_cache, *initial)
+    first_initial = len(inputs) - len(initial)
+    results = pl.pallas_call(
         kernel,
-        grid=(num_kv_heads, num_tiles),
-        in_specs=[whole(x.shape) for x in metadata]
-        + [whole(padded_q.shape), kv_spec, kv_spec, whole(padded_q.shape)],
-        out_specs=whole(padded_q.shape),
-        out_shape=jax.ShapeDtypeStruct(padded_q.shape, q.dtype),
-        input_output_aliases={len(metadata) + 3: 0},
+        grid=(num_kv_heads, num_tiles, num_splits),
+        in_specs=[whole(x.shape) for x in inputs[: first_initial - 2]]
+        + [kv_spec, kv_spec]
+        + [whole(x.shape) for x in initial],
+        out_specs=[whole(x.shape) for x in initial],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in initial],
+        input_output_aliases={first_initial + i: i for i in range(len(initial))},
         compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(*metadata, padded_q, k_cache, v_cache, jnp.zeros_like(padded_q))
-    return out[:num_tokens]
+    )(*inputs)
+    if num_splits == 1:
+        return results[0][:num_tokens]
+    return _combine_splits(*results)[:num_tokens].astype(q.dtype)
+
+
+def _combine_splits(acc: jax.Array, maxima: jax.Array, sums: jax.Array) -> jax.Array:
+    """One softmax from the splits' parts: acc [K, T, Hq, D] unnormalised, maxima and sums [K, T, Hq]."""
+    peak = jnp.max(maxima, axis=0)
+    weights = jnp.exp(maxima - peak)  # a split that saw no key has max NEG_INF and sum 0: weight 0 or no sum
+    total = jnp.sum(sums * weights, axis=0)
+    out = jnp.sum(acc * weights[..., None], axis=0)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 ragged_paged_attention = over_pages(ragged_paged_attention_stacked)
