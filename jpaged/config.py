@@ -59,10 +59,6 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: jpaged runs on one device"
-            )
         _one_of(self, "preemption_mode", PREEMPTION_MODES)
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "attention_impl", ATTENTION_IMPLS)

@@ -8,6 +8,7 @@ import pytest
 from jpaged.config import EngineConfig
 from jpaged.core.kv_cache_sizing import GIB, kv_bytes_per_token
 from jpaged.engine import startup
+from jpaged.runner.tensor_parallel import tensor_parallel_mesh
 
 PEAK = 64 << 20  # the step's activations, as activation_peak_bytes would measure them
 
@@ -57,3 +58,20 @@ def test_an_engine_on_cpu_runs_with_the_cpu_defaults(tiny_llama):
 
     engine = LLMEngine(EngineConfig(max_model_len=128, num_blocks=16, enforce_eager=True), model=tiny_llama)
     assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (64, 512)
+
+
+def test_with_tensor_parallelism_the_memory_is_per_device(tiny_llama):
+    """Each of two devices holds half of every block (its KV heads): kv_cache_memory buys twice the blocks."""
+    one, two = (
+        startup.size_kv_cache(
+            EngineConfig(kv_cache_memory=8 << 20, tensor_parallel_size=tp), tiny_llama, 128
+        ).num_blocks
+        for tp in (1, 2)
+    )
+    assert two == 2 * one
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(4\) must divide the model's 2 KV heads"):
+        startup.size_kv_cache(EngineConfig(tensor_parallel_size=4), tiny_llama, 128)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size \(2\) exceeds the 1 devices this process has"
+    ):
+        tensor_parallel_mesh(2, tiny_llama.config)

@@ -13,6 +13,7 @@ from conftest import TINY_FAMILIES, hf_logits
 from jax.sharding import PartitionSpec as P
 
 from jpaged.models.llama import (
+    StackedProducts,
     StepBatch,
     abstract_params,
     forward,
@@ -30,8 +31,8 @@ BLOCK = 16
 class PagedRun:
     """Drives the forward pass by hand: sequences get consecutive blocks, steps feed chosen token ranges."""
 
-    def __init__(self, loaded, num_seqs: int, max_len: int = 128, layout: str = "stacked"):
-        products = choose_products(loaded.params, layout)
+    def __init__(self, loaded, num_seqs: int, max_len: int = 128, layout: str = "stacked", products=None):
+        products = products or choose_products(loaded.params, layout)
         params = products.layout(loaded.params)
         self.config, self.params = loaded.config, jax.device_put(params)
         self.width = max_len // BLOCK
@@ -121,6 +122,19 @@ def assert_same_logits_as_before_the_port(loaded, layout: str, prompt_lengths: t
 def test_nnx_modules_give_the_logits_of_the_functional_model_they_replaced(family, layout, tiny_model_dir):
     loaded = load_model(str(tiny_model_dir(family)), progress=False)
     assert_same_logits_as_before_the_port(loaded, layout, (5, 16, 23, 41))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_bias"])
+def test_fused_columns_grouped_per_shard_give_the_same_logits(family, tiny_model_dir):
+    """Tensor parallelism's layout of QKV (and its bias) and gate/up: run g holds shard g's heads and columns."""
+    loaded = load_model(str(tiny_model_dir(family)), progress=False)
+    rng = np.random.default_rng(3)
+    prompts = [list(map(int, rng.integers(0, loaded.config.vocab_size, n))) for n in (7, 12)]
+    grouped = PagedRun(loaded, 2, products=StackedProducts(loaded.config, fused_groups=2))
+    plain = PagedRun(loaded, 2)
+    steps = (run.step(prompts, [0, 0], [7, 12]) for run in (grouped, plain))
+    for got, expected in zip(*steps, strict=True):
+        assert relative_error(got, expected) < 1e-6
 
 
 def test_nnx_modules_give_the_embedded_models_logits_of_before_the_port():

@@ -22,6 +22,7 @@ from jpaged.core.kv_cache_sizing import (
 from jpaged.models.llama import params_dtype
 from jpaged.models.loader import LoadedModel
 from jpaged.runner.model_runner import activation_peak_bytes
+from jpaged.runner.tensor_parallel import check_tensor_parallel_size
 
 logger = logging.getLogger(__name__)
 
@@ -47,22 +48,28 @@ class KVCacheSize:
 def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) -> KVCacheSize:
     """Blocks for the pool (explicit num_blocks, else the device's memory on an accelerator less the weights and
     the step's activation peak, else kv_cache_memory on CPU) and for swap space; fails at start-up when one
-    max_model_len sequence cannot fit."""
+    max_model_len sequence cannot fit. Memory is per device: with tensor parallelism each device holds its share
+    of the weights and of every block (its KV heads)."""
     mc, params = model.config, model.params
     dtype_bytes = params_dtype(params).itemsize
+    tp = config.tensor_parallel_size
+    check_tensor_parallel_size(tp, mc)
     bytes_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_bytes)
+    device_bytes_per_token = kv_bytes_per_token(
+        mc.num_layers, mc.num_kv_heads // tp, mc.head_dim, dtype_bytes
+    )
     platform, bytes_limit = device_memory()
     peak = 0
     if bytes_limit is not None and config.num_blocks is None:
         peak = activation_peak_bytes(config, mc, params, max_model_len)
     num_blocks = determine_num_blocks(
         block_size=config.block_size,
-        bytes_per_token=bytes_per_token,
+        bytes_per_token=device_bytes_per_token,
         num_blocks=config.num_blocks,
         kv_cache_memory=config.kv_cache_memory,
         device_memory=bytes_limit,
         gpu_memory_utilization=allocator_share(platform, config.gpu_memory_utilization),
-        weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(params)),
+        weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) // tp,
         activation_peak_bytes=peak,
     )
     check_max_model_len_fits(num_blocks, config.block_size, max_model_len)

@@ -65,6 +65,9 @@ class MatrixProducts(Protocol):
 
     # Layer matrices the layer scan hands over whole (with the layer's index) instead of sliced to one layer.
     whole_matrices: tuple[str, ...]
+    # How many runs the fused matrices' columns come in (`group_fused_columns`): one per tensor-parallel shard,
+    # so that each shard's columns hold whole heads of q, k and v and matching columns of gate and up.
+    fused_groups: int
 
     def layout(self, params: dict) -> dict:
         """The loaders' params with some leaves rearranged as these products read them (same tree; done once,
@@ -85,13 +88,19 @@ class MatrixProducts(Protocol):
         ...
 
 
+@dataclass(frozen=True)
 class StackedProducts:
-    """XLA's dots on the weights as the loaders build them (layer matrices stacked, sliced per layer by the scan)."""
+    """XLA's dots on the weights as the loaders build them (layer matrices stacked, sliced per layer by the scan);
+    with `fused_groups` > 1, the fused matrices' columns grouped per tensor-parallel shard."""
 
+    config: ModelConfig | None = None  # needed when fused_groups > 1
+    fused_groups: int = 1
     whole_matrices: tuple[str, ...] = ()
 
     def layout(self, params: dict) -> dict:
-        return params
+        return (
+            group_fused_columns(params, self.config, self.fused_groups) if self.fused_groups > 1 else params
+        )
 
     def embed(self, weight: jax.Array, token_ids: jax.Array) -> jax.Array:
         return weight[token_ids]
@@ -165,13 +174,14 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         c, b = self.config, step.batch
         num_tokens = x.shape[0]
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q_size = c.num_heads * c.head_dim
         qkv = step.matmul("qkv", self.qkv, x, layer)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
-        q = qkv[:, :q_size].reshape(num_tokens, c.num_heads, c.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, c.num_kv_heads, c.head_dim)
-        v = qkv[:, q_size + kv_size :].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        q, k, v = split_fused(qkv, fused_sizes(c)["qkv"], step.products.fused_groups)
+        q = q.reshape(num_tokens, c.num_heads, c.head_dim)
+        k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, step.cos, step.sin), _rotate(k, step.cos, step.sin)
@@ -196,11 +206,13 @@ class Attention(nnx.Module):
 class GatedMLP(nnx.Module):
     def __init__(self, config: ModelConfig, dtype) -> None:
         d, f = config.hidden_size, config.intermediate_size
+        self.sizes = (f, f)
         self.gate_up = _weight((d, 2 * f), dtype, (EMBED, MLP))
         self.down = _weight((f, d), dtype, (MLP, EMBED))
 
     def __call__(self, x: jax.Array, layer: jax.Array, step: StepContext) -> jax.Array:
-        gate, up = jnp.split(step.matmul("gate_up", self.gate_up, x, layer), 2, axis=-1)
+        gate_up = step.matmul("gate_up", self.gate_up, x, layer)
+        gate, up = split_fused(gate_up, self.sizes, step.products.fused_groups)
         return step.matmul("down", self.down, jax.nn.silu(gate) * up, layer)
 
 
@@ -279,6 +291,42 @@ class CausalLM(nnx.Module):
         tied = self.lm_head is None
         head = self.embed.weight[...] if tied else self.lm_head[...]
         return products.lm_head(head, h, batch.num_logits[0], tied=tied), KVCache(k_cache, v_cache)
+
+
+def fused_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The parts of each fused matrix's columns: q, k, v of qkv (and its bias); gate, up of gate_up."""
+    kv = config.num_kv_heads * config.head_dim
+    return {"qkv": (config.num_heads * config.head_dim, kv, kv), "gate_up": (config.intermediate_size,) * 2}
+
+
+def split_fused(x: jax.Array, sizes: tuple[int, ...], groups: int) -> list[jax.Array]:
+    """The parts of fused columns x [T, sum(sizes)] laid out as `groups` runs of [part 0, part 1, ...] (each
+    part's columns in order across the runs); `groups` 1 is the loaders' plain concatenation."""
+    grouped = x.reshape(*x.shape[:-1], groups, sum(sizes) // groups)
+    bounds = np.cumsum([size // groups for size in sizes])[:-1]
+    return [part.reshape(*x.shape[:-1], -1) for part in jnp.split(grouped, bounds, axis=-1)]
+
+
+def group_fused_columns(params: dict, config: ModelConfig, groups: int) -> dict:
+    """The loaders' params with the fused matrices' (and the QKV bias') columns in `groups` runs, as
+    `split_fused` reads them: run g holds part g of every part's columns (for tensor parallelism, shard g)."""
+    sizes = fused_sizes(config)
+    for name, parts in sizes.items():
+        if any(size % groups for size in parts):
+            raise ValueError(f"{groups} shards do not divide the {name} parts {parts}")
+
+    def regroup(x, parts):
+        pieces = jnp.split(jnp.asarray(x), np.cumsum(parts)[:-1], axis=-1)
+        runs = [piece.reshape(*piece.shape[:-1], groups, -1) for piece in pieces]
+        return jnp.concatenate(runs, axis=-1).reshape(*x.shape)
+
+    grouped = jax.tree_util.tree_map(lambda leaf: leaf, params)  # new dicts, the same arrays
+    attn, mlp = grouped["layers"]["attn"], grouped["layers"]["mlp"]
+    attn["qkv"] = regroup(attn["qkv"], sizes["qkv"])
+    if "qkv_bias" in attn:
+        attn["qkv_bias"] = regroup(attn["qkv_bias"], sizes["qkv"])
+    mlp["gate_up"] = regroup(mlp["gate_up"], sizes["gate_up"])
+    return grouped
 
 
 @functools.lru_cache(maxsize=32)

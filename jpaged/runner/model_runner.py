@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
-from jpaged.models.llama import KVCache, init_kv_cache, model_graphdef, params_dtype
+from jpaged.models.llama import KVCache, StackedProducts, init_kv_cache, model_graphdef, params_dtype
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.rounding import cdiv
@@ -33,6 +33,7 @@ from jpaged.runner.packed_inputs import PackedLayout, pack
 from jpaged.runner.sampling_inputs import SamplerOutput, SamplingRow, SamplingTensors, step_sampling_tensors
 from jpaged.runner.step_batch import PreparedStep, StepSchedule, dummy_batch, pad_batch
 from jpaged.runner.step_shapes import StepShapes
+from jpaged.runner.tensor_parallel import kv_sharding, param_shardings, shard_attention, tensor_parallel_mesh
 from jpaged.runner.weight_layout import choose_products
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,13 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
         self.dtype = params_dtype(params)
-        self.products = products = choose_products(params)
-        self.params = jax.device_put(products.layout(params))
+        tp = config.tensor_parallel_size
+        self.mesh = tensor_parallel_mesh(tp, model_config) if tp > 1 else None
+        # Tensor parallelism keeps XLA's dots (the CPU matmul kernel sees whole matrices) on fused columns
+        # grouped per shard.
+        self.products = products = StackedProducts(model_config, tp) if self.mesh else choose_products(params)
+        self._shardings = param_shardings(self.mesh, model_config) if self.mesh else None
+        self.params = self._on_device(products.layout(params))
         self._host_params = None  # the weights while asleep (sleep level 1)
         self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)
         self.attention_impl = resolve_attention_impl(
@@ -76,6 +82,14 @@ class ModelRunner:
         words = self.attention_impl == "cpu" and self.dtype == jnp.bfloat16
         self.kv_dtype = jnp.dtype(jnp.uint16) if words else self.dtype
         self.kv_cache = self._allocate_kv_cache()
+        if self.mesh:
+            logger.info(
+                "tensor parallel over %s: %.1f MiB of weights and %.1f MiB of KV pool per device",
+                self.mesh.devices.tolist(),
+                sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree_util.tree_leaves(self.params))
+                / 2**20,
+                sum(pages.addressable_shards[0].data.nbytes for pages in self.kv_cache) / 2**20,
+            )
         self.swap_space = None
         if config.preemption_mode == "swap" and num_swap_blocks:
             mc = model_config
@@ -83,6 +97,8 @@ class ModelRunner:
             self.swap_space = HostSwapSpace(shape, self.kv_dtype)
         self.graphdef = model_graphdef(model_config)
         attention = _attention_for(config, model_config, self.attention_impl, self.dtype)
+        if self.mesh:
+            attention = shard_attention(attention, self.mesh)
         step = bind_step(self.graphdef, attention, products)
         self._step = jax.jit(
             step, static_argnames=("layout", "num_logprobs", "num_prompt_logprobs"), donate_argnums=1
@@ -155,6 +171,10 @@ class ModelRunner:
             ).compile(),
         )
 
+    def compiled_step_texts(self) -> list[str]:
+        """The optimised HLO of every step compiled so far (what tests read collectives and loops from)."""
+        return [compiled.as_text() for compiled in self._compiled.values()]
+
     # ---- warm-up ----
 
     def _dummy_step(self, num_tokens: int, num_seqs: int) -> tuple[PreparedStep, SamplingTensors]:
@@ -223,6 +243,11 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> KVCache:
         allocate = cpu_attention.uninitialized if self.attention_impl == "cpu" else jnp.zeros
+        if self.mesh:
+            sharding = kv_sharding(self.mesh)
+            allocate = lambda shape, dtype: jax.jit(  # noqa: E731
+                lambda: jnp.zeros(shape, dtype), out_shardings=sharding
+            )()
         mc = self.model_config
         return init_kv_cache(mc, self.num_blocks, self.block_size, self.kv_dtype, allocate)
 
@@ -233,7 +258,11 @@ class ModelRunner:
         if self.asleep:
             self._host_params = jax.device_get(weights)
         else:
-            self.params = jax.device_put(weights)
+            self.params = self._on_device(weights)
+
+    def _on_device(self, weights: dict) -> dict:
+        """The weights on the device, or sharded over the mesh."""
+        return jax.device_put(weights, self._shardings)
 
     @property
     def asleep(self) -> bool:
@@ -257,7 +286,7 @@ class ModelRunner:
         """The pool and the weights back on the device, in the shapes the compiled steps take."""
         if self._host_params is None:
             raise ValueError("the weights were dropped by sleep(level=2): call update_weights before wake_up")
-        self.params = jax.device_put(self._host_params)
+        self.params = self._on_device(self._host_params)
         self._host_params = None
         self.kv_cache = self._allocate_kv_cache()
 
@@ -283,7 +312,7 @@ class ModelRunner:
         program = self._copy_programs.get(rows)
         if program is None:
             copies = np.zeros((rows, 2), np.int32)
-            key = ("copy_blocks", rows, [(np.shape(x), str(x.dtype)) for x in self.kv_cache])
+            key = ("copy_blocks", rows, [(np.shape(x), str(x.dtype), str(x.sharding)) for x in self.kv_cache])
             program = self._saved.get_or_compile(
                 key, lambda: self._copy_blocks.lower(self.kv_cache, copies).compile()
             )

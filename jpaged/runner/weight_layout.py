@@ -27,6 +27,7 @@ class PanelProducts:
     vocab_size: int
     tied: bool
     whole_matrices: tuple[str, ...] = tuple(LAYER_MATRICES)
+    fused_groups: int = 1
 
     @classmethod
     def for_params(cls, params: dict) -> PanelProducts:

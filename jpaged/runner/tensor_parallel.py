@@ -1,0 +1,75 @@
+"""Tensor parallelism on one host: a mesh over `tensor_parallel_size` devices (axis "tp"), the weights sharded
+from the models' logical axes Megatron-style (attention by heads, MLP gate/up by columns and down by rows,
+embedding and LM head by vocabulary, norms replicated), the KV pool by KV heads, and the attention kernel under
+`shard_map` on each device's own heads. Everything else is XLA's: it inserts the collectives (an all-reduce after
+the attention output and the MLP down projections) and runs the sampler on the vocabulary-sharded logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jpaged.models.config import ModelConfig
+from jpaged.models.llama import HEADS, MLP, QKV, VOCAB, abstract_params, partition_specs
+
+AXIS = "tp"
+SHARDED_AXES = (VOCAB, QKV, HEADS, MLP)  # logical axes split over the mesh; the others are replicated
+
+
+def check_tensor_parallel_size(size: int, config: ModelConfig) -> None:
+    """Each device must hold whole heads: `size` divides the query and the KV heads."""
+    for what, count in (("attention heads", config.num_heads), ("KV heads", config.num_kv_heads)):
+        if count % size:
+            raise ValueError(f"tensor_parallel_size ({size}) must divide the model's {count} {what}")
+
+
+def tensor_parallel_mesh(size: int, config: ModelConfig) -> Mesh:
+    """The first `size` devices as one "tp" axis; refuses sizes that exceed them or split a head."""
+    if size > jax.device_count():
+        raise ValueError(
+            f"tensor_parallel_size ({size}) exceeds the {jax.device_count()} devices this process has"
+        )
+    check_tensor_parallel_size(size, config)
+    return Mesh(np.array(jax.devices()[:size]), (AXIS,))
+
+
+def param_shardings(mesh: Mesh, config: ModelConfig) -> dict:
+    """A NamedSharding for every weight (the state dict's tree); an axis the mesh does not divide is replicated."""
+    size = mesh.shape[AXIS]
+
+    def sharding(spec: P, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
+        dims = zip(spec, leaf.shape, strict=True)
+        axes = [AXIS if axis in SHARDED_AXES and dim % size == 0 else None for axis, dim in dims]
+        return NamedSharding(mesh, P(*axes))
+
+    return jax.tree_util.tree_map(
+        sharding, partition_specs(config), abstract_params(config), is_leaf=lambda x: isinstance(x, P)
+    )
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    """The pool [L, N, B, Hk, Dh] split by KV heads: each device holds its own heads' pages."""
+    return NamedSharding(mesh, P(None, None, None, AXIS, None))
+
+
+def shard_attention(attention: Callable, mesh: Mesh) -> Callable:
+    """`attention` (the stacked-cache signature) run by each device on its query heads and their KV heads."""
+    heads, pages, replicated = P(None, AXIS, None), P(None, None, None, AXIS, None), P()
+
+    def sharded(q, k_cache, v_cache, layer, kv_lens, block_tables, query_start, num_seqs, **options):
+        local = jax.shard_map(
+            functools.partial(attention, **options),
+            mesh=mesh,
+            in_specs=(heads, pages, pages) + (replicated,) * 5,
+            out_specs=heads,
+            check_vma=False,
+        )
+        return local(q, k_cache, v_cache, layer, kv_lens, block_tables, query_start, num_seqs)
+
+    return sharded

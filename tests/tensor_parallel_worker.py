@@ -1,0 +1,86 @@
+"""Run by tests/test_tensor_parallel.py in a process with several simulated CPU devices (XLA_FLAGS must be set
+before JAX starts): greedy generation at each tensor_parallel_size given, printed as one JSON line.
+
+  python tests/tensor_parallel_worker.py MODEL_PATH|default TP [TP ...]              # one generate per size
+  python tests/tensor_parallel_worker.py --engine-features MODEL_PATH TP [TP ...]   # prefix caching,
+                                                              # preemption (both modes), n > 1, beam search
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+from jpaged import LLM, SamplingParams
+
+PROMPTS = [list(range(100, 120)), list(range(5, 40)), [7, 7, 7]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+
+
+def per_device_bytes(array) -> list[int]:
+    return sorted(shard.data.nbytes for shard in array.addressable_shards)
+
+
+def run(model: str | None, tp: int) -> dict:
+    try:
+        llm = LLM(
+            model,
+            tensor_parallel_size=tp,
+            max_model_len=128,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            num_blocks=40,
+            enforce_eager=True,
+        )
+    except ValueError as err:
+        return {"error": str(err)}
+    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    runner = llm.engine.runner
+    qkv, pool = runner.params["layers"]["attn"]["qkv"], runner.kv_cache.k
+    hlo = runner.compiled_step_texts()[0]
+    collectives = r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)\("
+    return {
+        "collectives": [[op, shape] for shape, op in re.findall(collectives, hlo)],
+        "tokens": [o.token_ids for o in outputs],
+        "logprobs": [[{str(k): v.logprob for k, v in step.items()} for step in o.logprobs] for o in outputs],
+        "qkv_bytes": [qkv.nbytes, per_device_bytes(qkv)],
+        "pool_bytes": [pool.nbytes, per_device_bytes(pool)],
+    }
+
+
+def engine_features(model: str, tp: int) -> dict:
+    """What the engine does around the step, each on an engine of `tp` devices: the tokens, and the counters
+    that show the feature ran."""
+    engine_args = dict(tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
+    shared = list(range(200, 240))  # two full blocks every prompt shares
+    prompts = [shared + [i, i + 1] for i in range(4)]
+    results = {}
+    llm = LLM(model, num_blocks=40, enforce_eager=True, **engine_args)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    results["prefix caching"] = [[o.outputs[0].token_ids for o in run] for run in (first, again)]
+    results["prefix hits"] = llm.metrics()["prefix_cache_hits"]
+    samples = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
+    results["n=3"] = [
+        [c.token_ids for c in o.outputs] for o in llm.generate(prompts[:2], samples, use_tqdm=False)
+    ]
+    beams = llm.beam_search(prompts[:2], beam_width=3, max_tokens=6, ignore_eos=True)
+    results["beam search"] = [[c.token_ids for c in o.outputs] for o in beams]
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for mode in ("recompute", "swap"):  # 4 x 6 blocks wanted, 14 held: preemption
+        small = LLM(
+            model, num_blocks=14, preemption_mode=mode, swap_space=0.01, enforce_eager=True, **engine_args
+        )
+        outputs = small.generate(prompts, long, use_tqdm=False)
+        results[f"preemption {mode}"] = [o.outputs[0].token_ids for o in outputs]
+        results[f"preemptions {mode}"] = small.metrics()["num_preemptions"]
+    return results
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--engine-features":
+        print(json.dumps({tp: engine_features(sys.argv[2], int(tp)) for tp in sys.argv[3:]}))
+    else:
+        model = None if sys.argv[1] == "default" else sys.argv[1]
+        print(json.dumps({tp: run(model, int(tp)) for tp in sys.argv[2:]}))

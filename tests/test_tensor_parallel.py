@@ -1,0 +1,65 @@
+"""Tensor parallelism over simulated CPU devices gives the tokens and logprobs of one device, each device
+holding only its shard of the weights and the KV pool; sizes that cannot split the heads are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
+
+
+def generate(model: str, *sizes: int, features: bool = False) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    command = [sys.executable, str(WORKER), *["--engine-features"] * features, model, *map(str, sizes)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_same_as_one_device(runs: dict, tp: int, tolerance: float = 1e-5) -> None:
+    one, split = runs["1"], runs[str(tp)]
+    assert split["tokens"] == one["tokens"]
+    for ours, theirs in zip(split["logprobs"], one["logprobs"], strict=True):
+        for step, expected in zip(ours, theirs, strict=True):
+            assert step.keys() == expected.keys()
+            assert all(abs(step[t] - expected[t]) < tolerance for t in step)
+    for name in ("qkv_bytes", "pool_bytes"):  # each of the tp devices holds 1/tp
+        total, shards = split[name]
+        assert shards == [total // tp] * tp and one[name][1] == [total]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_bias", "qwen3_qk_norm"])
+def test_two_devices_generate_as_one_and_hold_half_each(family, tiny_model_dir):
+    runs = generate(str(tiny_model_dir(family)), 1, 2, 4)
+    assert_same_as_one_device(runs, 2)
+    # The step's collectives: all-reduces of hidden states [T, 64] (the vocabulary-split embedding, then in the
+    # one compiled layer the attention output and MLP down projections), none over the pool's pages [.., 40, 16, ..].
+    collectives = runs["2"]["collectives"]
+    assert sum(op == "all-reduce" and shape.split("{")[0].endswith(",64]") for op, shape in collectives) >= 3
+    assert not any(",40,16," in shape for _, shape in collectives)
+    assert runs["1"]["collectives"] == []
+    assert runs["4"] == {"error": "tensor_parallel_size (4) must divide the model's 2 KV heads"}
+
+
+def test_the_embedded_model_splits_its_nine_heads_three_ways_and_refuses_two():
+    runs = generate("default", 1, 3, 2)
+    # One device sums each product in the C++ matmul kernel's order, three all-reduce XLA's partial dots: the
+    # logprobs (up to 7 in size, of logits up to ~20) differ by ~5e-5.
+    assert_same_as_one_device(runs, 3, tolerance=1e-4)
+    assert runs["2"] == {"error": "tensor_parallel_size (2) must divide the model's 9 attention heads"}
+
+
+def test_prefix_caching_preemption_parallel_samples_and_beams_work_unchanged_on_two_devices(tiny_llama_dir):
+    runs = generate(str(tiny_llama_dir), 1, 2, features=True)
+    assert runs["2"] == runs["1"]
+    one = runs["1"]
+    assert one["prefix hits"] > 0 and one["prefix caching"][0] == one["prefix caching"][1]
+    assert one["preemptions recompute"] > 0 and one["preemptions swap"] > 0
+    assert one["preemption recompute"] == one["preemption swap"]
+    assert [tokens[:8] for tokens in one["preemption swap"]] == one["prefix caching"][0]  # greedy, 8 of 40
