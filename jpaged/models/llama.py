@@ -38,6 +38,7 @@ from flax import nnx
 
 from jpaged.models.batch import KVCache, StepBatch
 from jpaged.models.config import ModelConfig
+from jpaged.models.fused_columns import fused_sizes, group_fused_columns, split_fused
 
 # Logical axis names of the weights: tensor parallelism maps them onto mesh axes.
 VOCAB, EMBED, QKV, HEADS, MLP, HEAD_DIM, LAYERS = (
@@ -206,7 +207,7 @@ class Attention(nnx.Module):
 class GatedMLP(nnx.Module):
     def __init__(self, config: ModelConfig, dtype) -> None:
         d, f = config.hidden_size, config.intermediate_size
-        self.sizes = (f, f)
+        self.sizes = fused_sizes(config)["gate_up"]
         self.gate_up = _weight((d, 2 * f), dtype, (EMBED, MLP))
         self.down = _weight((f, d), dtype, (MLP, EMBED))
 
@@ -293,57 +294,24 @@ class CausalLM(nnx.Module):
         return products.lm_head(head, h, batch.num_logits[0], tied=tied), KVCache(k_cache, v_cache)
 
 
-def fused_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The parts of each fused matrix's columns: q, k, v of qkv (and its bias); gate, up of gate_up."""
-    kv = config.num_kv_heads * config.head_dim
-    return {"qkv": (config.num_heads * config.head_dim, kv, kv), "gate_up": (config.intermediate_size,) * 2}
-
-
-def split_fused(x: jax.Array, sizes: tuple[int, ...], groups: int) -> list[jax.Array]:
-    """The parts of fused columns x [T, sum(sizes)] laid out as `groups` runs of [part 0, part 1, ...] (each
-    part's columns in order across the runs); `groups` 1 is the loaders' plain concatenation."""
-    grouped = x.reshape(*x.shape[:-1], groups, sum(sizes) // groups)
-    bounds = np.cumsum([size // groups for size in sizes])[:-1]
-    return [part.reshape(*x.shape[:-1], -1) for part in jnp.split(grouped, bounds, axis=-1)]
-
-
-def group_fused_columns(params: dict, config: ModelConfig, groups: int) -> dict:
-    """The loaders' params with the fused matrices' (and the QKV bias') columns in `groups` runs, as
-    `split_fused` reads them: run g holds part g of every part's columns (for tensor parallelism, shard g)."""
-    sizes = fused_sizes(config)
-    for name, parts in sizes.items():
-        if any(size % groups for size in parts):
-            raise ValueError(f"{groups} shards do not divide the {name} parts {parts}")
-
-    def regroup(x, parts):
-        pieces = jnp.split(jnp.asarray(x), np.cumsum(parts)[:-1], axis=-1)
-        runs = [piece.reshape(*piece.shape[:-1], groups, -1) for piece in pieces]
-        return jnp.concatenate(runs, axis=-1).reshape(*x.shape)
-
-    grouped = jax.tree_util.tree_map(lambda leaf: leaf, params)  # new dicts, the same arrays
-    attn, mlp = grouped["layers"]["attn"], grouped["layers"]["mlp"]
-    attn["qkv"] = regroup(attn["qkv"], sizes["qkv"])
-    if "qkv_bias" in attn:
-        attn["qkv_bias"] = regroup(attn["qkv_bias"], sizes["qkv"])
-    mlp["gate_up"] = regroup(mlp["gate_up"], sizes["gate_up"])
-    return grouped
-
-
 @functools.lru_cache(maxsize=32)
 def model_graphdef(config: ModelConfig) -> nnx.GraphDef:
     """The static half of `nnx.split(CausalLM(config))` (built abstractly: nothing is allocated)."""
     return nnx.graphdef(nnx.eval_shape(lambda: CausalLM(config)))
 
 
+def _abstract_state(config: ModelConfig, dtype) -> nnx.State:
+    return nnx.state(nnx.eval_shape(lambda: CausalLM(config, dtype)))
+
+
 def abstract_params(config: ModelConfig, dtype=jnp.float32) -> dict:
     """The state tree of `CausalLM(config, dtype)` as ShapeDtypeStructs: what loaders and callers must provide."""
-    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: CausalLM(config, dtype))))
+    return nnx.to_pure_dict(_abstract_state(config, dtype))
 
 
 def partition_specs(config: ModelConfig) -> dict:
     """Each weight's logical axes as a PartitionSpec (the state tree's shape)."""
-    abstract = nnx.state(nnx.eval_shape(lambda: CausalLM(config)))
-    return nnx.to_pure_dict(nnx.get_partition_spec(abstract))
+    return nnx.to_pure_dict(nnx.get_partition_spec(_abstract_state(config, jnp.float32)))
 
 
 def as_params(weights: dict | nnx.State | nnx.Module) -> dict:

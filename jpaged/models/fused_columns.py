@@ -1,0 +1,48 @@
+"""Fused matrices' columns (q|k|v of the QKV projection and its bias, gate|up of the MLP) and how they are grouped
+for tensor parallelism: in `groups` runs, run g holding shard g's part of every part, so that each shard's
+columns are whole heads of q, k and v and matching columns of gate and up. One group is the loaders' plain
+concatenation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.models.config import ModelConfig
+
+
+def fused_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The parts of each fused matrix's columns: q, k, v of qkv (and its bias); gate, up of gate_up."""
+    kv = config.num_kv_heads * config.head_dim
+    return {"qkv": (config.num_heads * config.head_dim, kv, kv), "gate_up": (config.intermediate_size,) * 2}
+
+
+def split_fused(x: jax.Array, sizes: tuple[int, ...], groups: int) -> list[jax.Array]:
+    """The parts of fused columns x [T, sum(sizes)] laid out as `groups` runs of [part 0, part 1, ...] (each
+    part's columns in order across the runs); `groups` 1 is the loaders' plain concatenation."""
+    grouped = x.reshape(*x.shape[:-1], groups, sum(sizes) // groups)
+    bounds = np.cumsum([size // groups for size in sizes])[:-1]
+    return [part.reshape(*x.shape[:-1], -1) for part in jnp.split(grouped, bounds, axis=-1)]
+
+
+def group_fused_columns(params: dict, config: ModelConfig, groups: int) -> dict:
+    """The loaders' params with the fused matrices' (and the QKV bias') columns in `groups` runs, as
+    `split_fused` reads them: run g holds part g of every part's columns (for tensor parallelism, shard g)."""
+    sizes = fused_sizes(config)
+    for name, parts in sizes.items():
+        if any(size % groups for size in parts):
+            raise ValueError(f"{groups} shards do not divide the {name} parts {parts}")
+
+    def regroup(x, parts):
+        pieces = jnp.split(jnp.asarray(x), np.cumsum(parts)[:-1], axis=-1)
+        runs = [piece.reshape(*piece.shape[:-1], groups, -1) for piece in pieces]
+        return jnp.concatenate(runs, axis=-1).reshape(*x.shape)
+
+    grouped = jax.tree_util.tree_map(lambda leaf: leaf, params)  # new dicts, the same arrays
+    attn, mlp = grouped["layers"]["attn"], grouped["layers"]["mlp"]
+    attn["qkv"] = regroup(attn["qkv"], sizes["qkv"])
+    if "qkv_bias" in attn:
+        attn["qkv_bias"] = regroup(attn["qkv_bias"], sizes["qkv"])
+    mlp["gate_up"] = regroup(mlp["gate_up"], sizes["gate_up"])
+    return grouped
