@@ -9,6 +9,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 # (max_num_seqs, max_num_batched_tokens) where the config leaves them None: vLLM's on accelerators; on CPU smaller,
 # since every padded token of a step costs there and compiling many shapes is slow.
 PLATFORM_DEFAULTS = {"cpu": (64, 512), "gpu": (256, 8192), "tpu": (256, 8192)}
+# Whether steps overlap (async_scheduling) where the config leaves it None: measured by scripts/bench_overlap.py.
+ASYNC_SCHEDULING_DEFAULTS = {"cpu": True, "gpu": True, "tpu": True}
 # The attention implementations jpaged.pallas dispatches to; auto picks by platform.
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 
@@ -34,6 +36,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_impl: str = "auto"  # "reference" (XLA), "pallas" (GPU/TPU) or "cpu" (C++); see ATTENTION_IMPLS
     enforce_eager: bool = False  # skip warm-up; buckets compile on first use
+    # Schedule step N+1 while step N runs (its sampled tokens feed N+1 on the device); None: the platform's
+    # default (ASYNC_SCHEDULING_DEFAULTS).
+    async_scheduling: bool | None = None
     compilation_cache_dir: str | None = None  # compiled steps kept here; default ~/.cache/jpaged/xla
 
     def __post_init__(self) -> None:
@@ -64,12 +69,18 @@ class EngineConfig:
         _one_of(self, "attention_impl", ATTENTION_IMPLS)
 
     def for_platform(self, platform: str) -> EngineConfig:
-        """This config with the sizes it leaves None filled in for `platform` (PLATFORM_DEFAULTS); a size given
-        keeps its value, and the other one is raised to it if needed (tokens per step >= sequences)."""
+        """This config with what it leaves None filled in for `platform` (PLATFORM_DEFAULTS,
+        ASYNC_SCHEDULING_DEFAULTS); a size given keeps its value, and the other one is raised to it if needed
+        (tokens per step >= sequences)."""
         default_seqs, default_tokens = PLATFORM_DEFAULTS.get(platform, PLATFORM_DEFAULTS["gpu"])
         seqs = self.max_num_seqs or min(default_seqs, self.max_num_batched_tokens or default_seqs)
         tokens = self.max_num_batched_tokens or max(default_tokens, seqs)
-        return dataclasses.replace(self, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+        overlap = self.async_scheduling
+        if overlap is None:
+            overlap = ASYNC_SCHEDULING_DEFAULTS.get(platform, ASYNC_SCHEDULING_DEFAULTS["gpu"])
+        return dataclasses.replace(
+            self, max_num_seqs=seqs, max_num_batched_tokens=tokens, async_scheduling=overlap
+        )
 
     def check_fan_out(self, name: str, value: int, why: str) -> None:
         """A request whose sequences (n samples, beams) must all run in one step needs at most max_num_seqs of

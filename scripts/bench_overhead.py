@@ -1,6 +1,6 @@
 """Host time per engine step (schedule + batch preparation + output processing), device step excluded.
 
-The model runner's device call is replaced by one that returns random tokens at once, so what is timed is the
+The model runner's device call is replaced by one whose random tokens are ready at once (async scheduling off), so what is timed is the
 Python around it: the scheduler, the block manager, building the padded arrays and sampling inputs, appending
 tokens, detokenising, stop checks, building outputs. Median of the decode steps of N running sequences.
 
@@ -41,6 +41,22 @@ def timed(samples: list[float], fn):
     return wrapper
 
 
+def stub_device(engine, rng: np.random.Generator) -> None:
+    """Replace the engine's device step by one whose random tokens are ready at once."""
+    from jpaged.runner.model_runner import StepOutput
+    from jpaged.runner.sampling_inputs import SamplerOutput
+
+    class Ready:
+        def __init__(self, num_rows: int) -> None:
+            tokens = rng.integers(100, 40000, num_rows).astype(np.int32)
+            self.output = StepOutput(SamplerOutput(tokens, None, None, None))
+
+        def result(self) -> StepOutput:
+            return self.output
+
+    engine.runner.dispatch = lambda prepared, sampling, num_logprobs: Ready(prepared.num_rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -54,8 +70,6 @@ def main() -> None:
     from jpaged.config import EngineConfig
     from jpaged.engine.llm_engine import LLMEngine
     from jpaged.models.loader import load_model
-    from jpaged.runner.model_runner import StepOutput
-    from jpaged.runner.sampling_inputs import SamplerOutput
     from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
     model = load_model(None, progress=False)
@@ -73,17 +87,14 @@ def main() -> None:
                 max_model_len=512,
                 num_blocks=1 + size * 32,
                 enforce_eager=True,
+                async_scheduling=False,
             )
             engine = LLMEngine(config, model=model)
             timings: dict[str, list[float]] = {"schedule": [], "prepare": []}
 
-            def stub_execute(prepared, sampling, num_logprobs):
-                tokens = rng.integers(100, 40000, prepared.num_rows).astype(np.int32)
-                return StepOutput(SamplerOutput(tokens, None, None, None))
-
             engine.scheduler.schedule = timed(timings["schedule"], engine.scheduler.schedule)
             engine.runner.prepare = timed(timings["prepare"], engine.runner.prepare)
-            engine.runner.execute = stub_execute
+            stub_device(engine, rng)
             params = SamplingParams(
                 max_tokens=250,
                 temperature=args.temperature,

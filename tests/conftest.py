@@ -47,6 +47,23 @@ TINY_FAMILIES = {
 }
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--async-scheduling",
+        choices=("on", "off"),
+        help="what async_scheduling=None (the default) means for every engine the tests build, on every "
+        "platform: CI runs the engine tests both ways",
+    )
+
+
+def pytest_configure(config) -> None:
+    choice = config.getoption("--async-scheduling")
+    if choice is not None:
+        from jpaged.config import ASYNC_SCHEDULING_DEFAULTS
+
+        ASYNC_SCHEDULING_DEFAULTS.update(dict.fromkeys(ASYNC_SCHEDULING_DEFAULTS, choice == "on"))
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_model_path()

@@ -16,7 +16,8 @@ from jpaged.engine.async_engine import AsyncLLMEngine
 class EngineGate:
     """Parks the engine loop before a step until `release()`, and records every abort asked for meanwhile.
 
-    `steps` steps run first (a stream's first event needs one), then the loop parks before the next. While parked
+    `steps` steps with outputs run first (a stream's first event needs one; with async scheduling a step's
+    outputs come from the step after it), then the loop parks before the next. While parked
     the engine lock is free, as it is between two steps: requests can still be added, aborted and measured, they
     just make no progress. Entering patches the engine's step and abort (instance attributes only); leaving
     releases the loop and restores them."""
@@ -33,11 +34,12 @@ class EngineGate:
         step, abort = self._engine.engine.step, self._engine.abort
 
         def gated_step():
-            if self._steps_before_parking:
-                self._steps_before_parking -= 1
-            elif not self._open.is_set():
+            if not self._steps_before_parking and not self._open.is_set():
                 self._park()
-            return step()
+            outputs = step()
+            if self._steps_before_parking and outputs:
+                self._steps_before_parking -= 1
+            return outputs
 
         def recorded_abort(request_id: str) -> None:
             with self._aborts_changed:

@@ -7,7 +7,6 @@ compiler does after that (Triton's PTX passes, Mosaic's layout passes in libtpu)
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -16,10 +15,10 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
+from lowering import TRITON_CALL, export_text
 
 from jpaged.pallas import gpu, tpu
 
-TRITON_CALL = "__gpu$xla.gpu.triton"  # Pallas-Triton's custom call: no export compatibility guarantee
 MOSAIC_TPU_CALL = "tpu_custom_call"  # stable, exportable without disabling any check
 
 BLOCK_SIZE = 16
@@ -45,23 +44,6 @@ def step_shapes(bucket: str, heads: tuple[int, int, int], dtype) -> list[jax.Sha
         jax.ShapeDtypeStruct((num_seq_slots + 1,), jnp.int32),
         jax.ShapeDtypeStruct((1,), jnp.int32),
     ]
-
-
-# The GPU the cuda lowering targets: jax >= 0.11 lowers Pallas-Triton for a named GPU (its compute capability),
-# and a machine without one names it through an abstract device (jax 0.10 takes the same and needs none).
-TARGET_GPU = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-
-
-def export_text(fn, platform: str, args) -> str:
-    disabled, target = [], contextlib.nullcontext()
-    if platform == "cuda":
-        disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-        target = jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=TARGET_GPU)
-        )
-    with target:
-        exported = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args)
-    return exported.mlir_module()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

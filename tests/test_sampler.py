@@ -23,7 +23,7 @@ LIVE = np.random.default_rng(0).choice(V, 32, replace=False)  # the tokens with 
 LOGITS = np.full(V, -np.inf, np.float32)
 LOGITS[LIVE] = np.random.default_rng(1).normal(0.0, 2.0, 32)
 
-_sample = jax.jit(sample, static_argnames="num_logprobs")
+_sample = jax.jit(sample, static_argnames=("num_logprobs", "branch_free"))
 
 
 def _rows(
@@ -32,13 +32,14 @@ def _rows(
     return [SamplingRow(params, list(prompt), list(outputs or []), seed=1000 + i) for i in range(n)]
 
 
-def _run(rows: list[SamplingRow], logits: np.ndarray, num_logprobs=None):
+def _run(rows: list[SamplingRow], logits: np.ndarray, num_logprobs=None, branch_free=False):
     """Sample with every batch padded to DRAWS rows, so the tests share a few compilations."""
     logits = np.zeros((DRAWS, V), np.float32) + (
         logits if logits.ndim == 1 else np.pad(logits, [(0, DRAWS - len(logits)), (0, 0)])
     )
     tensors = build_sampling_tensors(rows, DRAWS, V)
-    out = jax.tree.map(np.asarray, _sample(logits, tensors, num_logprobs=num_logprobs))
+    sampled = _sample(logits, tensors, num_logprobs=num_logprobs, branch_free=branch_free)
+    out = jax.tree.map(np.asarray, sampled)
     return jax.tree.map(lambda x: x[: len(rows)], out), tensors
 
 
@@ -323,14 +324,34 @@ def test_truncation_uses_few_candidates_when_they_decide_and_bisects_otherwise()
     cut = _LogWeights(peak, np.ones(6, np.float32), np.full(6, -np.inf, np.float32))
     mass = np.exp(logits - peak[:, None]).sum(-1)
 
-    @jax.jit  # one compilation for the probes and the tiered search
+    @jax.jit  # one compilation for the probes, the tiered search and the branch-free sort
     def probe(logits, cut, mass, top_k, top_p):
         decided = [_candidate_threshold(logits, cut, mass, top_k, top_p, n)[1] for n in (256, 4096)]
-        return decided, _top_k_top_p_threshold(logits, cut, top_k, top_p)
+        tiered = _top_k_top_p_threshold(logits, cut, top_k, top_p)
+        return decided, tiered, _top_k_top_p_threshold(logits, cut, top_k, top_p, branch_free=True)
 
-    (decided_256, decided_4096), threshold = probe(logits, cut, mass, top_k, top_p)
+    (decided_256, decided_4096), tiered, sorted_ = probe(logits, cut, mass, top_k, top_p)
     assert np.asarray(decided_256).tolist() == [True, True, True, False, False, False]
     assert np.asarray(decided_4096).tolist() == [True, True, True, False, True, False]
-    kept = (logits - peak[:, None] >= np.asarray(threshold)[:, None]).sum(-1)
     expected = [_reference_kept(row, k, p) for row, k, p in zip(logits, top_k, top_p, strict=True)]
-    assert kept.tolist() == expected
+    for threshold in (tiered, sorted_):
+        kept = (logits - peak[:, None] >= np.asarray(threshold)[:, None]).sum(-1)
+        assert kept.tolist() == expected
+
+
+def test_the_branch_free_sampler_draws_what_the_branching_one_draws():
+    """Accelerators' form (no lax.cond) against the CPU's, row for row on one batch of every kind of row."""
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(top_k=5),
+        SamplingParams(top_p=0.6),
+        SamplingParams(temperature=0.8, min_p=0.1),
+        SamplingParams(top_k=8, top_p=0.8),
+    ]
+    rows = [row for params in kinds for row in _rows(params, 64)]
+    logits = np.random.default_rng(7).normal(0.0, 2.0, (len(rows), V)).astype(np.float32)
+    branching, _ = _run(rows, logits)
+    branch_free, _ = _run(rows, logits, branch_free=True)
+    assert (branching.token_ids == branch_free.token_ids).all()
+    assert (branch_free.token_ids[:64] == logits[:64].argmax(-1)).all()

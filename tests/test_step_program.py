@@ -1,6 +1,7 @@
-"""The programs a GPU runs each step loop only as many times as the host decided: XLA:GPU reads a loop's predicate
-back to the host on every trip when the device decides the trip count, and cannot capture such a step as one
-command buffer (CUDA graph). Loops with a trip count fixed at trace time are scans, which it runs without."""
+"""The programs a GPU runs each step branch and loop only as the host decided: XLA:GPU reads a conditional's
+predicate back to the host, and a loop's on every trip when the device decides the trip count, and cannot capture
+such a step as one command buffer (CUDA graph). Loops with a trip count fixed at trace time are scans, which it
+runs without."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from lowering import TRITON_CALL, export_text
 
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
@@ -16,7 +18,7 @@ from jpaged.models.llama import STACKED, abstract_params, init_kv_cache, model_g
 from jpaged.pallas import gpu
 from jpaged.runner.device_step import bind_step, copy_blocks
 from jpaged.runner.packed_inputs import pack
-from jpaged.runner.sampling_inputs import step_sampling_tensors
+from jpaged.runner.sampling_inputs import step_sampling_tensors, with_truncation
 from jpaged.runner.step_batch import dummy_batch
 
 BLOCK_SIZE = 16
@@ -41,18 +43,43 @@ def cache_spec(config, num_blocks: int = 64):
     return jax.eval_shape(lambda: init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.bfloat16))
 
 
-def test_the_gpu_step_has_no_loop_whose_trip_count_the_device_decides(tiny_llama):
-    config = tiny_llama.config
-    step = bind_step(model_graphdef(config), gpu.ragged_paged_attention_stacked, STACKED)
-    for tokens, seqs in ((8, 8), (64, 4)):  # a decode bucket and a prefill bucket
+def gpu_steps(config):
+    """The step as a GPU runs it, with every sampling variant the host can choose, in a decode and a prefill
+    bucket: (bound step, its abstract args)."""
+    step = bind_step(model_graphdef(config), gpu.ragged_paged_attention_stacked, STACKED, branch_free=True)
+    for tokens, seqs in ((8, 8), (64, 4)):
         batch = dummy_batch(tokens, seqs, 8)
-        sampling = step_sampling_tensors([], seqs, config.vocab_size)  # keys and top-k/top-p: every stage
-        packed, layout = pack((batch, sampling, None))
-        bound = functools.partial(step, layout=layout, num_logprobs=5, num_prompt_logprobs=None)
-        jaxpr = jax.make_jaxpr(bound)(abstract_params(config, jnp.bfloat16), cache_spec(config), packed)
-        found = primitives(jaxpr.jaxpr)
+        plain = step_sampling_tensors([], seqs, config.vocab_size, branch_free=True)
+        for sampling in (plain, with_truncation(plain)):
+            packed, layout = pack((batch, sampling, None))
+            bound = functools.partial(step, layout=layout, num_logprobs=5, num_prompt_logprobs=None)
+            last_tokens = jax.ShapeDtypeStruct((seqs,), jnp.int32)
+            yield bound, (abstract_params(config, jnp.bfloat16), cache_spec(config), last_tokens, packed)
+
+
+def test_the_gpu_step_has_no_branch_or_loop_that_the_device_decides(tiny_llama):
+    for bound, args in gpu_steps(tiny_llama.config):
+        found = primitives(jax.make_jaxpr(bound)(*args).jaxpr)
         assert "pallas_call" in found and "scan" in found  # the kernel, the layer scan: the walk sees them
-        assert "while" not in found
+        assert "sort" in found or "top_k" in found or "argmax" in found
+        assert "while" not in found and "cond" not in found
+
+
+def test_the_cpu_sampler_keeps_its_shortcuts_so_the_check_above_can_fail(tiny_llama):
+    config = tiny_llama.config
+    step = bind_step(model_graphdef(config), gpu.ragged_paged_attention_stacked, STACKED, branch_free=False)
+    packed, layout = pack((dummy_batch(8, 8, 8), step_sampling_tensors([], 8, config.vocab_size), None))
+    bound = functools.partial(step, layout=layout, num_logprobs=None, num_prompt_logprobs=None)
+    last_tokens = jax.ShapeDtypeStruct((8,), jnp.int32)
+    args = (abstract_params(config, jnp.bfloat16), cache_spec(config), last_tokens, packed)
+    assert "cond" in primitives(jax.make_jaxpr(bound)(*args).jaxpr)
+
+
+def test_the_gpu_step_exported_for_cuda_has_no_conditional(tiny_llama):
+    for bound, args in gpu_steps(tiny_llama.config):
+        text = export_text(bound, "cuda", args)
+        assert TRITON_CALL in text
+        assert "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
 def test_copy_on_write_copies_are_one_gather_and_scatter_of_a_shape_the_host_chose(tiny_llama):

@@ -85,8 +85,11 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:  # the hot loop (every running sequence, every step): kept lean
             seq = running[i]
+            if seq.num_pending and seq.num_tokens >= seq.max_num_tokens:
+                i += 1  # its pending token ends it (length): nothing left to compute
+                continue
             computed = seq.num_computed_tokens
-            num_new = len(seq.token_ids) - computed
+            num_new = seq.num_tokens - computed
             if num_new > budget:
                 num_new = budget
             while not allocate_slots(seq.seq_id, computed, num_new):

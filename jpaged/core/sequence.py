@@ -75,10 +75,16 @@ class SequenceState:
     seed: int = 0
     num_emitted_tokens: int = 0  # output tokens (and characters of `text`) already sent in DELTA outputs
     num_emitted_chars: int = 0
+    # Async scheduling: tokens sampled by dispatched steps that have not reached `token_ids` yet, and while there
+    # are any, the row of the latest such step that samples its newest one (-1 otherwise).
+    num_pending: int = 0
+    pending_row: int = -1
+    max_num_tokens: int = 2**62  # where it ends for length (max_tokens, max_model_len), set by the engine
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Its tokens, the ones still on the device (num_pending) included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -84,7 +84,7 @@ class BeamDriver:
         searches that advanced, by request id."""
         proposals: dict[Request, dict[SequenceState, list[tuple[int, float]]]] = defaultdict(dict)
         for row, seq in enumerate(targets):
-            if seq.request.beam is not None:
+            if seq.request.beam is not None and seq.finish_reason is None:  # not aborted while it ran
                 k = seq.request.beam.num_candidates
                 ids, values = result.logprob_token_ids[row, 1 : 1 + k], result.logprobs[row, 1 : 1 + k]
                 proposals[seq.request][seq] = list(zip(ids.tolist(), values.tolist(), strict=True))

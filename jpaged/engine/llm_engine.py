@@ -20,7 +20,7 @@ from jpaged.config import EngineConfig
 from jpaged.core.beam_search import BeamSearch
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.scheduler import Scheduler
-from jpaged.core.sequence import Request, SequenceState
+from jpaged.core.sequence import Request, SequenceState, SequenceStatus
 from jpaged.engine.beam_driver import BeamDriver
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.scheduled_step import ScheduledStep, scheduled_step
@@ -31,7 +31,7 @@ from jpaged.models.llama import abstract_params, as_params, params_dtype
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.models.params import check_same_leaves, weights_spec
 from jpaged.outputs import RequestOutput
-from jpaged.runner.model_runner import ModelRunner, StepOutput
+from jpaged.runner.model_runner import ModelRunner, PendingOutput
 from jpaged.runner.sampling_inputs import SamplerOutput
 from jpaged.runner.step_batch import PreparedStep
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -42,6 +42,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclasses.dataclass(slots=True)
+class InFlightStep:
+    """A step on the device whose tokens the host has not processed yet."""
+
+    scheduled: ScheduledStep
+    prepared: PreparedStep
+    output: PendingOutput
+    needs_results: bool  # the next schedule must see its tokens first (see LLMEngine.step)
 
 
 class LLMEngine:
@@ -85,6 +95,10 @@ class LLMEngine:
         self._next_seq_id = 0
         self._private_salts = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
+        self._in_flight: InFlightStep | None = (
+            None  # launched, its tokens not processed yet (async scheduling)
+        )
+        self._held: list[RequestOutput] = []  # outputs processed outside step(), returned by the next one
         self.warmup_seconds = 0.0 if config.enforce_eager else self.runner.warmup()
 
     # ---- requests ----
@@ -165,20 +179,28 @@ class LLMEngine:
         return self.beams.new_search(num_prompt_tokens, params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now: its blocks are freed at once. Returns its final output (finish_reason 'abort')."""
+        """Stop a request now: its blocks are freed at once. Returns its final output (finish_reason 'abort',
+        unless its last token finished it), with every token computed so far: a step still running for it is
+        processed first (the other requests' outputs from it come with the next step)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        in_flight = self._in_flight
+        if in_flight is not None and any(seq.request is request for seq in in_flight.scheduled.seqs):
+            self._held += self._complete(self._take_in_flight())  # no output of its own: it is popped
         self.beams.active.discard(request_id)
         for seq in request.seqs:
             self.outputs.abort(seq)
             self.scheduler.finish(seq)
+        if not self.requests and self._in_flight is not None:  # idle now: what runs is for nobody
+            self._held += self._complete(self._take_in_flight())
         if request.beam is not None:
             return self.outputs.beam_search_output(request, aborted=True)
         return self.outputs.request_output(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Whether a step is still due: a request runs or waits, or outputs wait to be returned."""
+        return bool(self.requests or self._held)
 
     def warm_up_while_idle(self) -> bool:
         """For a loop with no request to step: run one step shape that has not run yet (see
@@ -217,15 +239,28 @@ class LLMEngine:
     # ---- the loop ----
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one device step, process its tokens; returns the outputs due this step: every advanced
-        request's, except FINAL_ONLY ones (and beam searches) until they finish."""
+        """Schedule and start one device step, and process the tokens of the step before it; returns the outputs
+        due: every advanced request's, except FINAL_ONLY ones (and beam searches) until they finish.
+
+        With async_scheduling a step is scheduled while the one before runs, so the host's work overlaps the
+        device's, and its outputs come from the next call. A step whose results the next schedule needs (forks
+        for n > 1, beam searches, sampling inputs that read the tokens) is processed in the call that starts it,
+        as every step is without async scheduling."""
+        outputs, self._held = self._held, []
         scheduled = self._schedule()
-        if scheduled is None:
-            return []
-        prepared = self.runner.prepare(scheduled.schedule)
-        sampling, num_logprobs = self.sampling.inputs(scheduled.rows, prepared.num_rows)
-        output = self.runner.execute(prepared, sampling, num_logprobs)
-        return self._process(scheduled, prepared, output)
+        launched = None if scheduled is None else self._launch(scheduled)
+        if self._in_flight is not None:
+            outputs += self._complete(self._take_in_flight())
+        if launched is None:
+            return outputs
+        if self.config.async_scheduling and self.requests and not launched.needs_results:
+            self._in_flight = launched
+            return outputs
+        return outputs + self._complete(launched)
+
+    def _take_in_flight(self) -> InFlightStep:
+        step, self._in_flight = self._in_flight, None
+        return step
 
     def _schedule(self) -> ScheduledStep | None:
         """The scheduler's plan for this step, with its swaps done; None when it runs no sequence."""
@@ -242,23 +277,44 @@ class LLMEngine:
         self.counters["prompt_tokens"] += scheduled.num_first_prompt_tokens
         return scheduled
 
-    def _process(
-        self, scheduled: ScheduledStep, prepared: PreparedStep, output: StepOutput
-    ) -> list[RequestOutput]:
-        """The step's results into the sequences: prompt logprobs, progress (full blocks become hittable), then
-        the sampled tokens."""
+    def _launch(self, scheduled: ScheduledStep) -> InFlightStep:
+        """Start the step on the device. The scheduled tokens count as computed from here on, and each sampled
+        sequence as one token ahead (pending) until its token comes back, so the next schedule can plan past it."""
+        prepared = self.runner.prepare(scheduled.schedule)
+        rows = scheduled.rows
+        sampling, num_logprobs = self.sampling.inputs(rows, prepared.num_rows)
+        pending = self.runner.dispatch(prepared, sampling, num_logprobs)
+        for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+        fans_out = False
+        for row, seq in enumerate(rows.seqs):
+            if row and rows.seqs[row - 1] is seq:
+                fans_out = True  # forks when its tokens come back
+            elif seq.request.beam is None:
+                seq.num_pending += 1
+                seq.pending_row = row
+        needs_results = fans_out or not rows.all_static or bool(self.beams.active)
+        return InFlightStep(scheduled, prepared, pending, needs_results)
+
+    def _complete(self, step: InFlightStep) -> list[RequestOutput]:
+        """A launched step's results into the sequences (waiting for them): prompt logprobs, progress (full blocks
+        become hittable), then the sampled tokens."""
+        output = step.output.result()
         now = time.time()  # one clock reading for every token of the step
+        scheduled = step.scheduled
         seqs, num_new_tokens = scheduled.seqs, scheduled.num_new_tokens
+        computed = scheduled.schedule.num_computed
         for i in scheduled.prompt_logprob_seqs:
-            seq, start = seqs[i], int(prepared.batch.query_start[i])
+            seq, start = seqs[i], int(step.prepared.batch.query_start[i])
             self.outputs.record_prompt_logprobs(
-                seq.request, seq.num_computed_tokens, num_new_tokens[i], output.prompt_logprobs, start
+                seq.request, computed[i], num_new_tokens[i], output.prompt_logprobs, start
             )
         block_size = self.config.block_size
-        for seq, num_new in zip(seqs, num_new_tokens, strict=True):
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens = after = before + num_new
-            if after // block_size != before // block_size:  # a block filled up: make it hittable
+        running = SequenceStatus.RUNNING
+        for seq, before, num_new in zip(seqs, computed, num_new_tokens, strict=True):
+            after = before + num_new
+            # a block filled up: make it hittable (unless the sequence let its blocks go while the step ran)
+            if after // block_size != before // block_size and seq.status is running:
                 self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids, after, seq.request.cache_salt)
         return self._append_samples(scheduled.rows.seqs, output.sampled, now)
 
@@ -267,30 +323,36 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Give each sampled row's token to its sequence, or to its beam search; returns the outputs due (every
         advanced request's but FINAL_ONLY ones and beam searches, which report once, when done) and forgets
-        the requests that finished."""
+        the requests that finished. Rows of sequences that ended while the step ran are dropped."""
         targets = row_seqs
         if any(row and row_seqs[row - 1] is seq for row, seq in enumerate(row_seqs)):
             # parallel samples fork from the row before theirs, before any token of this step lands
             targets = [
-                self._fork(seq) if seq.request.beam is None and row and row_seqs[row - 1] is seq else seq
+                self._fork(seq)
+                if seq.request.beam is None and seq.finish_reason is None and row and row_seqs[row - 1] is seq
+                else seq
                 for row, seq in enumerate(row_seqs)
             ]
-        self.counters["generation_tokens"] += len(targets)
         final_only = RequestOutputKind.FINAL_ONLY
-        reporting = {  # requests that report every step, in row order
-            seq.request.request_id: seq.request
-            for seq in targets
-            if seq.request.params.output_kind is not final_only and seq.request.beam is None
-        }
+        reporting = {}  # requests that report every step, in row order
+        num_live = 0
+        for seq in targets:
+            if seq.finish_reason is None:
+                num_live += 1
+                request = seq.request
+                if request.params.output_kind is not final_only and request.beam is None:
+                    reporting[request.request_id] = request
+        self.counters["generation_tokens"] += num_live
         ended: dict[str, Request] = {}
         for seq in self.outputs.append_tokens(targets, result.token_ids.tolist(), now, result):
             self.scheduler.finish(seq)
             ended[seq.request.request_id] = seq.request
         if self.beams.active:
             ended.update(self.beams.advance(targets, result, now))
-        outputs = [self.outputs.request_output(request) for request in reporting.values()]
+        requests = self.requests  # an aborted request is gone from here: its output is abort_request's
+        outputs = [self.outputs.request_output(r) for r in reporting.values() if r.request_id in requests]
         for request_id, request in ended.items():
-            if not request.finished:
+            if not request.finished or request_id not in requests:
                 continue
             if request.beam is not None:
                 outputs.append(self.outputs.beam_search_output(request))
@@ -312,8 +374,17 @@ class LLMEngine:
 
     def _new_seq(self, request: Request, token_ids: list[int], index: int) -> SequenceState:
         self._next_seq_id += 1
+        max_tokens = request.params.max_tokens
         seq = SequenceState(
-            self._next_seq_id, request, token_ids, index=index, seed=sample_seed_for(request, index)
+            self._next_seq_id,
+            request,
+            token_ids,
+            index=index,
+            seed=sample_seed_for(request, index),
+            max_num_tokens=min(
+                self.max_model_len,
+                self.max_model_len if max_tokens is None else len(request.prompt_token_ids) + max_tokens,
+            ),
         )
         request.seqs.append(seq)
         return seq

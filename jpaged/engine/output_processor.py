@@ -42,18 +42,24 @@ class OutputProcessor:
     ) -> list[SequenceState]:
         """Append row i's token to seqs[i] and apply the stop rules; returns the sequences that finished.
 
-        Rows of beam searches are skipped (their tokens are the search's to place). `result` supplies logprobs
-        where asked; `now` is the step's clock reading. One call per step, as its loop runs for every token."""
+        Rows of beam searches are skipped (their tokens are the search's to place), and so are rows of sequences
+        that ended while the step ran (async scheduling: finished the step before, or aborted). `result`
+        supplies logprobs where asked; `now` is the step's clock reading. One call per step, as its loop runs
+        for every token."""
         finished = []
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
         with_logprobs = result is not None and result.logprobs is not None
         for row, seq in enumerate(seqs):
             request = seq.request
-            if request.beam is not None:
+            if request.beam is not None or seq.finish_reason is not None:
                 continue
             token = tokens[row]
             token_ids = seq.token_ids
             token_ids.append(token)
+            if seq.num_pending:  # the token the next step was scheduled without
+                seq.num_pending -= 1
+                if not seq.num_pending:
+                    seq.pending_row = -1
             params = request.params
             if request.first_token_time is None:
                 request.first_token_time = now

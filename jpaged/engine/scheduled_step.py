@@ -47,7 +47,7 @@ def scheduled_step(
         request = seq.request
         if request.prompt_logprobs is not None and computes_prompt_logprobs(seq):
             prompt_logprob_seqs.append(i)
-        num_tokens = len(seq.token_ids)
+        num_tokens = seq.num_tokens
         if seq.num_computed_tokens + num_new_tokens[i] != num_tokens:
             continue  # a prefill chunk short of the prompt's end samples nothing
         all_static = all_static and request.static_sampling
@@ -67,6 +67,7 @@ def scheduled_step(
         num_new_tokens,
         block_tables,
         sample_rows,
+        [seq.pending_row for seq in seqs],
         [(i, seqs[i].request.prompt_token_ids) for i in prompt_logprob_seqs],
         logprobs_bucket(seqs[i].request.params.prompt_logprobs for i in prompt_logprob_seqs),
     )

@@ -87,6 +87,7 @@ class StepSampling:
                     seed,
                     None if seq.request.params.ignore_eos else self._eos_token_id,
                     seq.request.bad_words_token_ids,
+                    seq.num_pending,
                 )
                 for seq, seed in zip(row_seqs, _row_seeds(row_seqs), strict=True)
             ]

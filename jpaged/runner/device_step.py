@@ -1,5 +1,9 @@
-"""The device step as one pure function of (params, KV cache, batch, sampling inputs): the model (its NNX graph
-merged with the params, the state dict), then sampling. The runner jits it once per shape bucket with the cache donated."""
+"""The device step as one pure function of (params, KV cache, last tokens, packed inputs): the model (its NNX graph
+merged with the params, the state dict), then sampling. The runner jits it once per shape bucket with the cache
+and the last tokens donated.
+
+`last_tokens` [R] holds the tokens the previous step sampled, row by row: a step scheduled before the previous
+one's tokens reached the host (async scheduling) names such an input token -(row + 1), and takes it from there."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.models.llama import KVCache, MatrixProducts
@@ -17,12 +22,14 @@ from jpaged.runner.sampler import gather_logprobs, sample
 def device_step(
     params,
     kv_cache,
+    last_tokens,
     packed,
     *,
     layout,
     graphdef,
     attention,
     products,
+    branch_free,
     num_logprobs,
     num_prompt_logprobs,
 ):
@@ -30,19 +37,31 @@ def device_step(
     targets [T] (the prompt-logprobs variant), the batch asks for the logits of every token after the S sampled
     rows, and the logprobs of each token's next prompt token come back too."""
     batch, sampling, prompt_targets = unpack(packed, layout)
+    batch = batch._replace(token_ids=with_last_tokens(batch.token_ids, last_tokens))
     model = nnx.merge(graphdef, params)
     logits, kv_cache = model(kv_cache, batch, attention=attention, products=products)
     num_rows = sampling.temperature.shape[0]
-    sampled = sample(logits[:num_rows], sampling, num_logprobs=num_logprobs)
+    sampled = sample(logits[:num_rows], sampling, num_logprobs=num_logprobs, branch_free=branch_free)
+    last_tokens = last_tokens.at[:num_rows].set(sampled.token_ids)
     if prompt_targets is None:
-        return kv_cache, sampled, None
-    return kv_cache, sampled, gather_logprobs(logits[num_rows:], prompt_targets, num_prompt_logprobs)
+        return kv_cache, last_tokens, sampled, None
+    prompt = gather_logprobs(logits[num_rows:], prompt_targets, num_prompt_logprobs)
+    return kv_cache, last_tokens, sampled, prompt
 
 
-def bind_step(graphdef: nnx.GraphDef, attention: Callable, products: MatrixProducts) -> Callable:
-    """`device_step` for one model (the static half of its `nnx.split`), attention implementation and weight
-    layout (all static)."""
-    return functools.partial(device_step, graphdef=graphdef, attention=attention, products=products)
+def with_last_tokens(token_ids: jax.Array, last_tokens: jax.Array) -> jax.Array:
+    """Input tokens with each -(row + 1) replaced by the token the previous step sampled in that row."""
+    return jnp.where(token_ids < 0, jnp.take(last_tokens, jnp.maximum(-1 - token_ids, 0)), token_ids)
+
+
+def bind_step(
+    graphdef: nnx.GraphDef, attention: Callable, products: MatrixProducts, *, branch_free: bool
+) -> Callable:
+    """`device_step` for one model (the static half of its `nnx.split`), attention implementation, weight
+    layout and sampler form (all static; branch-free on accelerators, see sampler.py)."""
+    return functools.partial(
+        device_step, graphdef=graphdef, attention=attention, products=products, branch_free=branch_free
+    )
 
 
 def copy_blocks(kv_cache: KVCache, copies: jax.Array) -> KVCache:

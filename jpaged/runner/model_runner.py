@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
@@ -30,7 +31,13 @@ from jpaged.runner.device_step import bind_step, copy_blocks, scatter_blocks
 from jpaged.runner.executable_cache import step_cache
 from jpaged.runner.kv_transfer import HostSwapSpace
 from jpaged.runner.packed_inputs import PackedLayout, pack
-from jpaged.runner.sampling_inputs import SamplerOutput, SamplingRow, SamplingTensors, step_sampling_tensors
+from jpaged.runner.sampling_inputs import (
+    SamplerOutput,
+    SamplingRow,
+    SamplingTensors,
+    step_sampling_tensors,
+    with_truncation,
+)
 from jpaged.runner.step_batch import PreparedStep, StepSchedule, dummy_batch, pad_batch
 from jpaged.runner.step_shapes import StepShapes
 from jpaged.runner.tensor_parallel import kv_sharding, param_shardings, shard_attention, tensor_parallel_mesh
@@ -46,6 +53,19 @@ class StepOutput:
 
     sampled: SamplerOutput
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+class PendingOutput:
+    """A dispatched step's outputs on their way to the host: `result()` waits for them."""
+
+    def __init__(self, sampled, prompt_logprobs) -> None:
+        self._arrays = (sampled, prompt_logprobs)
+        for leaf in jax.tree_util.tree_leaves(self._arrays):
+            leaf.copy_to_host_async()
+
+    def result(self) -> StepOutput:
+        sampled, prompt_logprobs = jax.tree_util.tree_map(np.asarray, self._arrays)
+        return StepOutput(sampled, prompt_logprobs)
 
 
 class ModelRunner:
@@ -77,11 +97,16 @@ class ModelRunner:
         self.attention_impl = resolve_attention_impl(
             config.attention_impl, head_dim=model_config.head_dim, dtype=self.dtype
         )
+        # Accelerators run the step without device-decided branches (see sampler.py).
+        self.branch_free = jax.default_backend() != "cpu"
         self.num_blocks = num_blocks
         # The C++ kernel reads a bfloat16 pool as its 16-bit words, which XLA writes in place (see KVCache).
         words = self.attention_impl == "cpu" and self.dtype == jnp.bfloat16
         self.kv_dtype = jnp.dtype(jnp.uint16) if words else self.dtype
         self.kv_cache = self._allocate_kv_cache()
+        # Each step's sampled tokens, which the next step may take its inputs from (device_step.py).
+        replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh else None
+        self.last_tokens = jax.device_put(np.zeros(max(self.shapes.seq_sizes), np.int32), replicated)
         if self.mesh:
             logger.info(
                 "tensor parallel over %s: %.1f MiB of weights and %.1f MiB of KV pool per device",
@@ -99,9 +124,9 @@ class ModelRunner:
         attention = _attention_for(config, model_config, self.attention_impl, self.dtype)
         if self.mesh:
             attention = shard_attention(attention, self.mesh)
-        step = bind_step(self.graphdef, attention, products)
+        step = bind_step(self.graphdef, attention, products, branch_free=self.branch_free)
         self._step = jax.jit(
-            step, static_argnames=("layout", "num_logprobs", "num_prompt_logprobs"), donate_argnums=1
+            step, static_argnames=("layout", "num_logprobs", "num_prompt_logprobs"), donate_argnums=(1, 2)
         )
         self._saved = step_cache(config.compilation_cache_dir)
         self._compiled: dict = {}
@@ -119,15 +144,21 @@ class ModelRunner:
         return pad_batch(schedule, self.shapes, self.block_size, self.max_blocks_per_seq)
 
     def sampling_tensors(self, rows: Sequence[SamplingRow], num_rows: int) -> SamplingTensors:
-        return step_sampling_tensors(rows, num_rows, self.model_config.vocab_size)
+        return step_sampling_tensors(
+            rows, num_rows, self.model_config.vocab_size, branch_free=self.branch_free
+        )
 
-    def execute(self, step: PreparedStep, sampling: SamplingTensors, num_logprobs: int | None) -> StepOutput:
-        """Run the step on the device; its sampled rows (and prompt logprobs) come back as numpy arrays."""
+    def dispatch(
+        self, step: PreparedStep, sampling: SamplingTensors, num_logprobs: int | None
+    ) -> PendingOutput:
+        """Start the step on the device and return at once (JAX dispatches asynchronously); its outputs follow
+        to the host while the host goes on."""
         packed, layout = pack((step.batch, sampling, step.prompt_targets))  # one transfer
         compiled = self._compiled_for(layout, num_logprobs, step.num_prompt_logprobs)
-        self.kv_cache, sampled, prompt = compiled(self.params, self.kv_cache, packed)
-        to_host = functools.partial(jax.tree_util.tree_map, np.asarray)
-        return StepOutput(to_host(sampled), to_host(prompt))
+        self.kv_cache, self.last_tokens, sampled, prompt = compiled(
+            self.params, self.kv_cache, self.last_tokens, packed
+        )
+        return PendingOutput(sampled, prompt)
 
     def _compiled_for(self, layout: PackedLayout, num_logprobs, num_prompt_logprobs=None):
         key = (layout, num_logprobs, num_prompt_logprobs)
@@ -149,7 +180,7 @@ class ModelRunner:
         """The step for inputs of this layout: loaded from the executable cache, else traced, lowered and
         compiled."""
         packed = np.zeros(sum(int(np.prod(shape)) for shape, _, _ in layout.arrays), np.int32)
-        args = (self.params, self.kv_cache, packed)
+        args = (self.params, self.kv_cache, self.last_tokens, packed)
         leaves = [
             (np.shape(x), str(x.dtype), str(getattr(x, "sharding", "")))
             for x in jax.tree_util.tree_leaves(args)
@@ -177,9 +208,14 @@ class ModelRunner:
 
     # ---- warm-up ----
 
-    def _dummy_step(self, num_tokens: int, num_seqs: int) -> tuple[PreparedStep, SamplingTensors]:
-        batch = dummy_batch(num_tokens, num_seqs, self.max_blocks_per_seq)
-        return PreparedStep(batch), self.sampling_tensors([], num_seqs)
+    def _dummy_steps(self, num_tokens: int, num_seqs: int) -> list[tuple[PreparedStep, SamplingTensors]]:
+        """A step of these shapes with no live sequence, with each sampling variant the host may choose for it
+        (branch-free: with and without top-k/top-p)."""
+        step = PreparedStep(dummy_batch(num_tokens, num_seqs, self.max_blocks_per_seq))
+        plain = self.sampling_tensors([], num_seqs)
+        return [
+            (step, tensors) for tensors in ([plain, with_truncation(plain)] if self.branch_free else [plain])
+        ]
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every (T, S) bucket pair that can occur, one compile per core at a time (XLA compiles outside
@@ -193,9 +229,9 @@ class ModelRunner:
         start = time.perf_counter()
         jobs = []
         for t, s in self.shapes.all_shapes():
-            step, tensors = self._dummy_step(t, s)
-            _, layout = pack((step.batch, tensors, None))
-            jobs.append((layout, step, tensors))
+            for step, tensors in self._dummy_steps(t, s):
+                _, layout = pack((step.batch, tensors, None))
+                jobs.append((layout, step, tensors))
         with (
             ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
             tqdm(total=len(jobs), desc="warm-up (compiling step shapes)", disable=not progress) as bar,
@@ -213,7 +249,7 @@ class ModelRunner:
         limit = self.config.max_num_seqs
         decode_sized = [(p, t) for p, t in self._not_run.values() if p.batch.token_ids.shape[0] <= limit]
         for step, tensors in tqdm(decode_sized, desc="warm-up (first runs)", disable=not progress):
-            self.execute(step, tensors, None)
+            self.dispatch(step, tensors, None).result()
         self.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info(
@@ -236,7 +272,7 @@ class ModelRunner:
         if not self._not_run:
             return False
         step, tensors = next(iter(self._not_run.values()))
-        self.execute(step, tensors, None)  # forgets the shape (_compiled_for)
+        self.dispatch(step, tensors, None).result()  # forgets the shape (_compiled_for)
         return True
 
     # ---- weights and memory between steps ----
@@ -362,17 +398,19 @@ def activation_peak_bytes(
     cache = KVCache(*(jax.ShapeDtypeStruct(cache_shape, dtype) for _ in range(2)))
     tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
     batch = dummy_batch(tokens, seqs, cdiv(max_model_len, config.block_size))
-    sampling = step_sampling_tensors([], seqs, model_config.vocab_size)
+    sampling = with_truncation(step_sampling_tensors([], seqs, model_config.vocab_size))  # the larger variant
     products = choose_products(abstract(params))
     attention = _attention_for(config, model_config, config.attention_impl, dtype)
     packed, layout = pack((batch, sampling, None))
+    branch_free = jax.default_backend() != "cpu"
     step = functools.partial(
-        bind_step(model_graphdef(model_config), attention, products),
+        bind_step(model_graphdef(model_config), attention, products, branch_free=branch_free),
         layout=layout,
         num_logprobs=None,
         num_prompt_logprobs=None,
     )
     device_params = jax.eval_shape(products.layout, abstract(params))
-    compiled = jax.jit(step).lower(device_params, cache, packed).compile()
+    last_tokens = jax.ShapeDtypeStruct((seqs,), np.int32)
+    compiled = jax.jit(step).lower(device_params, cache, last_tokens, packed).compile()
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0

@@ -16,6 +16,11 @@ specialises on which are None (the pytree structure), so the common path carries
   allowed_ids, vocab_restricted    None when no row has allowed_token_ids
 Each combination that occurs is one compilation; the engine warms up the ones it expects.
 
+Branch-free (`branch_free=True`, what GPUs and TPUs run): no lax.cond, whose predicate XLA:GPU reads back to the
+host and which breaks its command buffers. Every row is drawn for and greedy rows take their argmax instead, and
+top_k/top_p come from one sort of the rows (fast on an accelerator); the host leaves top_k/top_p out when no row
+truncates, so that choice is a variant it makes.
+
 Randomness: a row's key is fold_in(key(seed), tokens generated so far), so a draw depends only on the request's
 seed and position, never on its row or the batch. The draw is a two-level inverse CDF with two uniforms per row
 (cheaper on CPU than a Gumbel draw per vocabulary entry). top_k/top_p find their cut-off among the few best
@@ -154,14 +159,19 @@ def _as_float(bits: jax.Array) -> jax.Array:
 
 
 def _top_k_top_p_threshold(
-    logits: jax.Array, cut: _LogWeights, top_k: jax.Array, top_p: jax.Array
+    logits: jax.Array, cut: _LogWeights, top_k: jax.Array, top_p: jax.Array, *, branch_free: bool = False
 ) -> jax.Array:
     """Exact truncation threshold, cheap when a small candidate set decides every row.
 
     Skips all work when no row truncates (batches may carry top_k/top_p just to share a compilation), then
     tries TRUNCATION_CANDIDATES in turn and finally bisection; lax.cond runs a costlier stage only when needed.
+    Branch-free, every row's whole vocabulary is the candidate set: one sort, and always decided.
     """
-    tiers = [c for c in TRUNCATION_CANDIDATES if c < logits.shape[-1]]
+    vocab_size = logits.shape[-1]
+    if branch_free:
+        mass = jnp.sum(jnp.exp(cut(logits)), axis=-1)
+        return _candidate_threshold(logits, cut, mass, top_k, top_p, vocab_size)[0]
+    tiers = [c for c in TRUNCATION_CANDIDATES if c < vocab_size]
 
     def solve(tier: int, mass: jax.Array) -> jax.Array:
         if tier == len(tiers):
@@ -205,12 +215,14 @@ def _uniforms(keys: jax.Array, steps: jax.Array) -> jax.Array:
     return jax.vmap(lambda key: jax.random.uniform(key, (2,), jnp.float32))(row_keys)
 
 
-def _random_tokens(logits: jax.Array, peak: jax.Array, t: SamplingTensors) -> jax.Array:
+def _random_tokens(
+    logits: jax.Array, peak: jax.Array, t: SamplingTensors, *, branch_free: bool = False
+) -> jax.Array:
     """temperature -> min_p -> top_k -> top_p -> draw, as vLLM v1 orders them."""
     inv_temperature = 1.0 / jnp.where(t.temperature < SAMPLING_EPS, 1.0, t.temperature)
     cut = _LogWeights(peak, inv_temperature, jnp.log(t.min_p))  # min_p: p >= min_p * p_max
     if t.top_k is not None:
-        threshold = _top_k_top_p_threshold(logits, cut, t.top_k, t.top_p)
+        threshold = _top_k_top_p_threshold(logits, cut, t.top_k, t.top_p, branch_free=branch_free)
         cut = cut._replace(floor=jnp.maximum(cut.floor, threshold))
     return _inverse_cdf(logits, cut, _uniforms(t.keys, t.steps))
 
@@ -250,20 +262,25 @@ def gather_logprobs(
     return values, ids, rank
 
 
-def sample(logits: jax.Array, t: SamplingTensors, *, num_logprobs: int | None) -> SamplerOutput:
-    """Device side: pick one token per row from logits [S, V]; `num_logprobs` is static (None, 0, 5, 20)."""
+def sample(
+    logits: jax.Array, t: SamplingTensors, *, num_logprobs: int | None, branch_free: bool = False
+) -> SamplerOutput:
+    """Device side: pick one token per row from logits [S, V]; `num_logprobs` is static (None, 0, 5, 20), and
+    so is `branch_free` (see the module doc)."""
     raw = logits.astype(jnp.float32)
     processed = _processed_logits(raw, t)
     greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     peak = jnp.take_along_axis(processed, greedy_ids[:, None], axis=-1)[:, 0]
     token_ids = greedy_ids
-    if t.keys is not None:  # skipped at run time when every row is greedy, so one program serves both
+    if t.keys is not None:
         greedy = t.temperature < SAMPLING_EPS
-        token_ids = jax.lax.cond(
-            jnp.all(greedy),
-            lambda: greedy_ids,
-            lambda: jnp.where(greedy, greedy_ids, _random_tokens(processed, peak, t)),
-        )
+        draw = lambda: _random_tokens(processed, peak, t, branch_free=branch_free)  # noqa: E731
+        if branch_free:
+            token_ids = jnp.where(greedy, greedy_ids, draw())
+        else:  # skipped at run time when every row is greedy, so one program serves both
+            token_ids = jax.lax.cond(
+                jnp.all(greedy), lambda: greedy_ids, lambda: jnp.where(greedy, greedy_ids, draw())
+            )
     if num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     raw_peak = peak if processed is raw else None

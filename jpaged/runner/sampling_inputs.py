@@ -31,6 +31,7 @@ class SamplingRow:
     seed: int  # the request's seed, or one the engine drew from its own seeded RNG
     eos_token_id: int | None = None  # banned together with stop_token_ids until min_tokens are generated
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # from engine.tokenizer.tokenize_bad_words
+    num_pending: int = 0  # tokens it has sampled that are still on the device (async scheduling)
 
 
 class SamplingTensors(NamedTuple):
@@ -116,7 +117,7 @@ def build_sampling_tensors(
     if any(not p.is_greedy for p in params):
         seeds = [r.seed & 0xFFFFFFFFFFFFFFFF for r in rows]  # threefry keys hold a 64-bit seed as (hi, lo)
         fields["keys"] = _padded([[s >> 32, s & _UINT32] for s in seeds], num_rows, 2, 0, np.uint32)
-        fields["steps"] = column([len(r.output_token_ids) for r in rows], 0, np.int32)
+        fields["steps"] = column([len(r.output_token_ids) + r.num_pending for r in rows], 0, np.int32)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         # A top_k of the vocabulary or more keeps every token: clamped, any int a client sends fits int32.
         fields["top_k"] = column([min(max(p.top_k, 0), vocab_size) for p in params], 0, np.int32)
@@ -145,14 +146,23 @@ def build_sampling_tensors(
     return SamplingTensors(**fields)
 
 
-def step_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int) -> SamplingTensors:
-    """Per-row sampling arrays, always with keys and top-k/top-p (an all-greedy batch skips the draw on
-    device), so greedy and sampled batches share one compiled program per shape."""
+def step_sampling_tensors(
+    rows: Sequence[SamplingRow], num_rows: int, vocab_size: int, *, branch_free: bool = False
+) -> SamplingTensors:
+    """Per-row sampling arrays, always with keys (an all-greedy batch skips the draw on device, or branch-free
+    draws and ignores it), and with top-k/top-p unless branch-free, so greedy and sampled batches share one
+    compiled program per shape (branch-free: two, with and without truncation; see sampler.py)."""
     tensors = build_sampling_tensors(rows, num_rows, vocab_size)
     if tensors.keys is None:
         tensors = tensors._replace(
             keys=np.zeros((num_rows, 2), np.uint32), steps=np.zeros(num_rows, np.int32)
         )
-    if tensors.top_k is None:
-        tensors = tensors._replace(top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32))
-    return tensors
+    return tensors if branch_free else with_truncation(tensors)
+
+
+def with_truncation(tensors: SamplingTensors) -> SamplingTensors:
+    """The tensors with top_k/top_p present (all off where they were absent)."""
+    if tensors.top_k is not None:
+        return tensors
+    num_rows = tensors.temperature.shape[0]
+    return tensors._replace(top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32))

@@ -21,13 +21,17 @@ from jpaged.runner.step_shapes import StepShapes
 @dataclass(slots=True)
 class StepSchedule:
     """One step's work: scheduled sequence i computes `num_new_tokens[i]` of its `token_ids[i]` (prompt then
-    output) from `num_computed[i]` on, through row i of `block_tables` [S', W] (padded with the null block 0)."""
+    output) from `num_computed[i]` on, through row i of `block_tables` [S', W] (padded with the null block 0).
+
+    A sequence whose last token is still on the device (async scheduling) has `pending_rows[i]` >= 0: its last
+    input is the token the previous step sampled in that row, and `token_ids[i]` lacks it."""
 
     token_ids: list[list[int]]
     num_computed: list[int]
     num_new_tokens: list[int]
     block_tables: np.ndarray
     sample_rows: list[int]  # the scheduled index of each sampled row (a first token fans out to n rows)
+    pending_rows: list[int]
     # Sequences that compute prompt logprobs: (scheduled index, its prompt's token ids), and the top-K width.
     prompt_logprob_seqs: list[tuple[int, Sequence[int]]] = field(default_factory=list)
     num_prompt_logprobs: int | None = None
@@ -64,13 +68,18 @@ def pad_batch(schedule: StepSchedule, shapes: StepShapes, block_size: int, table
     if num_tokens == num_seqs and max(num_new_tokens, default=0) == 1:  # decodes only: one token each
         seq_of_token = np.arange(num_seqs)
         positions[:num_tokens] = computed
-        token_ids[:num_tokens] = [ids[c] for ids, c in zip(schedule.token_ids, computed_counts, strict=True)]
+        token_ids[:num_tokens] = [
+            ids[c] if r < 0 else -1 - r
+            for ids, c, r in zip(schedule.token_ids, computed_counts, schedule.pending_rows, strict=True)
+        ]
     else:
         seq_of_token = np.repeat(np.arange(num_seqs), num_new)
         positions[:num_tokens] = np.arange(num_tokens) - query_start[seq_of_token] + computed[seq_of_token]
         chunks = (
-            ids[c : c + n]
-            for ids, c, n in zip(schedule.token_ids, computed_counts, num_new_tokens, strict=True)
+            ids[c : c + n] if r < 0 else [*ids[c : c + n - 1], -1 - r]
+            for ids, c, n, r in zip(
+                schedule.token_ids, computed_counts, num_new_tokens, schedule.pending_rows, strict=True
+            )
         )
         token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(chunks), np.int32, num_tokens)
     tables = np.zeros((s_bucket, table_width), np.int32)

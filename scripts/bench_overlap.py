@@ -1,0 +1,139 @@
+"""Async scheduling: a decode step's wall time beside its host time and its device time, all in one run.
+
+Without overlap an engine step costs host + device (schedule, prepare, run, wait, process outputs); with
+async scheduling the host schedules step N+1 and processes step N's tokens while step N+1 runs, so a step should
+cost close to max(host, device). Per N running sequences, on one engine (the same compiled programs and state):
+  host    the engine's step with the device call replaced by one that returns random tokens at once
+  device  the last decode step's compiled program run again and again, inputs already packed, nothing else
+  sync    a real step with async_scheduling off;  async: with it on
+sync and async take turns in rounds of --steps steps (so drift hits both), medians over all rounds.
+
+Config per N: max_num_seqs=N, max_num_batched_tokens=max(512, N), max_model_len=512, num_blocks=1 + 32 N, the
+default model cut to its first --layers layers (fewer layers: a shorter device step, host and device closer);
+N requests of 64 random prompt tokens, ignore_eos, DELTA outputs (the server's streaming: most host work).
+
+  python scripts/bench_overlap.py                         # N = 8, 64; 2 layers
+  python scripts/bench_overlap.py --sizes 64 --layers 30  # the whole model: the device step dominates
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_overhead import stub_device  # noqa: E402
+
+
+def cut_to_layers(model, num_layers: int):
+    """The loaded model with only its first `num_layers` decoder layers (the stack's leading axis)."""
+    import jax
+
+    params = dict(model.params)
+    params["layers"] = jax.tree_util.tree_map(lambda x: x[:num_layers], params["layers"])
+    config = dataclasses.replace(model.config, num_layers=num_layers)
+    return dataclasses.replace(model, config=config, params=params)
+
+
+def decode_step_times(engine, steps: int, size: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        if len(engine.scheduler.running) != size or engine.scheduler.waiting:
+            raise RuntimeError(f"a timed step did not run all {size} sequences")
+    return times
+
+
+def device_step_times(engine, steps: int) -> list[float]:
+    """The next step's compiled program, run `steps` times more on its packed inputs. It rewrites the live
+    sequences' last KV slots: time nothing on this engine after it but host work."""
+    captured = []
+    dispatch = engine.runner.dispatch
+
+    def capture(*step_args):
+        captured.append(step_args)
+        return dispatch(*step_args)
+
+    engine.runner.dispatch = capture
+    engine.step()
+    engine.runner.dispatch = dispatch
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        dispatch(*captured[-1]).result()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="8,64")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+
+    from jpaged.config import EngineConfig
+    from jpaged.engine.llm_engine import LLMEngine
+    from jpaged.models.loader import load_model
+    from jpaged.sampling_params import RequestOutputKind, SamplingParams
+
+    model = cut_to_layers(load_model(None, progress=False), args.layers)
+    rng = np.random.default_rng(0)
+    print(f"default model, first {args.layers} layers; DELTA outputs")
+    print(
+        "| running sequences | host ms | device ms | host + device | max | sync ms / step | async ms / step |"
+        " async / max |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for size in map(int, args.sizes.split(",")):
+        config = EngineConfig(
+            max_num_seqs=size,
+            max_num_batched_tokens=max(512, size),
+            max_model_len=512,
+            num_blocks=1 + size * 32,
+            async_scheduling=False,
+        )
+        engine = LLMEngine(config, model=model)
+        max_tokens = 2 * args.rounds * (args.steps + 1) + 2 * args.steps + 8
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        for i in range(size):
+            engine.add_request(f"r{i}", list(map(int, rng.integers(100, 40000, 64))), params)
+        while engine.scheduler.waiting or any(s.num_computed_tokens < 64 for s in engine.scheduler.running):
+            engine.step()
+        times = {"sync": [], "async": []}
+        for _ in range(args.rounds):
+            for mode in times:
+                engine.config.async_scheduling = mode == "async"
+                engine.step()  # the switch: this step's outputs may come from the one before
+                times[mode] += decode_step_times(engine, args.steps, size)
+        engine.config.async_scheduling = False
+        engine.step()  # nothing in flight from here on
+
+        device = device_step_times(engine, args.steps)
+        stub_device(engine, rng)
+        host = decode_step_times(engine, args.steps, size)
+        host_ms, device_ms, sync_ms, async_ms = (
+            statistics.median(v) * 1e3 for v in (host, device, times["sync"], times["async"])
+        )
+        print(
+            f"| {size} | {host_ms:.2f} | {device_ms:.2f} | {host_ms + device_ms:.2f} | "
+            f"{max(host_ms, device_ms):.2f} | {sync_ms:.2f} | {async_ms:.2f} | "
+            f"{async_ms / max(host_ms, device_ms):.2f} |"
+        )
+    print("\ncommand: python scripts/bench_overlap.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
