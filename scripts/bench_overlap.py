@@ -45,15 +45,14 @@ def cut_to_layers(model, num_layers: int):
     return dataclasses.replace(model, config=config, params=params)
 
 
-def tiny_random(model, rng: np.random.Generator):
-    """A 2-layer, 64-wide random model on the loaded model's vocabulary and tokenizer: a device step of a few
-    milliseconds, as long as the host's at a few dozen streams."""
+def tiny_random(model, rng: np.random.Generator, **dims):
+    """A random model on the loaded model's vocabulary and tokenizer, by default 2 layers 64 wide (a device step
+    of a few milliseconds, as long as the host's at a few dozen streams); `dims` override ModelConfig fields."""
     import jax
 
     from jpaged.models.llama import CausalLM, as_params
 
-    config = dataclasses.replace(
-        model.config,
+    tiny = dict(
         hidden_size=64,
         intermediate_size=128,
         num_layers=2,
@@ -62,6 +61,7 @@ def tiny_random(model, rng: np.random.Generator):
         head_dim=16,
         tie_word_embeddings=True,
     )
+    config = dataclasses.replace(model.config, **{**tiny, **dims})
     shapes = as_params(CausalLM(config))
     params = jax.tree_util.tree_map(
         lambda x: (rng.standard_normal(x.shape) * 0.05 + (x == 1)).astype(np.float32), shapes

@@ -69,8 +69,15 @@ def test_with_tensor_parallelism_the_memory_is_per_device(tiny_llama):
         for tp in (1, 2)
     )
     assert two == 2 * one
-    with pytest.raises(ValueError, match=r"tensor_parallel_size \(4\) must divide the model's 2 KV heads"):
-        startup.size_kv_cache(EngineConfig(tensor_parallel_size=4), tiny_llama, 128)
+    # four devices, two KV heads: each device holds a copy of one, as with two
+    four = startup.size_kv_cache(
+        EngineConfig(kv_cache_memory=8 << 20, tensor_parallel_size=4), tiny_llama, 128
+    )
+    assert four.num_blocks == two
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size \(3\) must divide the model's 4 attention heads"
+    ):
+        startup.size_kv_cache(EngineConfig(tensor_parallel_size=3), tiny_llama, 128)
     with pytest.raises(
         ValueError, match=r"tensor_parallel_size \(2\) exceeds the 1 devices this process has"
     ):

@@ -1,5 +1,6 @@
 """Tensor parallelism over simulated CPU devices gives the tokens and logprobs of one device, each device
-holding only its shard of the weights and the KV pool; sizes that cannot split the heads are refused."""
+holding only its shard of the weights and the KV pool (a copy of one KV head when the devices outnumber them);
+sizes that cannot split the heads are refused."""
 
 from __future__ import annotations
 
@@ -22,21 +23,25 @@ def generate(model: str, *sizes: int, features: bool = False) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def assert_same_as_one_device(runs: dict, tp: int, tolerance: float = 1e-5) -> None:
-    one, split = runs["1"], runs[str(tp)]
+def assert_same_tokens(one: dict, split: dict, tolerance: float) -> None:
     assert split["tokens"] == one["tokens"]
     for ours, theirs in zip(split["logprobs"], one["logprobs"], strict=True):
         for step, expected in zip(ours, theirs, strict=True):
             assert step.keys() == expected.keys()
             assert all(abs(step[t] - expected[t]) < tolerance for t in step)
+
+
+def assert_same_as_one_device(runs: dict, tp: int, tolerance: float = 1e-5) -> None:
+    one, split = runs["1"], runs[str(tp)]
+    assert_same_tokens(one, split, tolerance)
     for name in ("qkv_bytes", "pool_bytes"):  # each of the tp devices holds 1/tp
         total, shards = split[name]
         assert shards == [total // tp] * tp and one[name][1] == [total]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_bias", "qwen3_qk_norm"])
-def test_two_devices_generate_as_one_and_hold_half_each(family, tiny_model_dir):
-    runs = generate(str(tiny_model_dir(family)), 1, 2, 4)
+def test_two_and_four_devices_generate_as_one_and_hold_their_share(family, tiny_model_dir):
+    runs = generate(str(tiny_model_dir(family)), 1, 2, 4, 3)
     assert_same_as_one_device(runs, 2)
     # The step's collectives: all-reduces of hidden states [T, 64] (the vocabulary-split embedding, then in the
     # one compiled layer the attention output and MLP down projections), none over the pool's pages [.., 40, 16, ..].
@@ -44,7 +49,11 @@ def test_two_devices_generate_as_one_and_hold_half_each(family, tiny_model_dir):
     assert sum(op == "all-reduce" and shape.split("{")[0].endswith(",64]") for op, shape in collectives) >= 3
     assert not any(",40,16," in shape for _, shape in collectives)
     assert runs["1"]["collectives"] == []
-    assert runs["4"] == {"error": "tensor_parallel_size (4) must divide the model's 2 KV heads"}
+    assert runs["3"] == {"error": "tensor_parallel_size (3) must divide the model's 4 attention heads"}
+    # Four devices, two KV heads: each KV head is held twice, each device keeping the one its query head reads.
+    assert_same_tokens(runs["1"], runs["4"], 1e-5)
+    one_pool = runs["1"]["pool_bytes"][0]
+    assert runs["4"]["pool_bytes"] == [2 * one_pool, [one_pool // 2] * 4]
 
 
 def test_the_embedded_model_splits_its_nine_heads_three_ways_and_refuses_two():

@@ -22,7 +22,7 @@ from jpaged.core.kv_cache_sizing import (
 from jpaged.models.llama import params_dtype
 from jpaged.models.loader import LoadedModel
 from jpaged.runner.model_runner import activation_peak_bytes
-from jpaged.runner.tensor_parallel import check_tensor_parallel_size
+from jpaged.runner.tensor_parallel import check_tensor_parallel_size, tensor_parallel_config
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) 
     tp = config.tensor_parallel_size
     check_tensor_parallel_size(tp, mc)
     bytes_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_bytes)
-    device_bytes_per_token = kv_bytes_per_token(
-        mc.num_layers, mc.num_kv_heads // tp, mc.head_dim, dtype_bytes
+    device_bytes_per_token = kv_bytes_per_token(  # with more devices than KV heads, each holds a copy of one
+        mc.num_layers, tensor_parallel_config(tp, mc).num_kv_heads // tp, mc.head_dim, dtype_bytes
     )
     platform, bytes_limit = device_memory()
     peak = 0

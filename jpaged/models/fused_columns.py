@@ -46,3 +46,25 @@ def group_fused_columns(params: dict, config: ModelConfig, groups: int) -> dict:
         attn["qkv_bias"] = regroup(attn["qkv_bias"], sizes["qkv"])
     mlp["gate_up"] = regroup(mlp["gate_up"], sizes["gate_up"])
     return grouped
+
+
+def replicate_kv_heads(params: dict, config: ModelConfig, copies: int) -> dict:
+    """The loaders' params with each KV head's k and v columns (and bias) repeated `copies` times in place: the
+    weights of the same model with `copies` times the KV heads, each query head still reading its own (query head
+    q reads KV head q // (heads / KV heads) either way). For tensor parallelism over more devices than KV heads."""
+    q, k, v = fused_sizes(config)["qkv"]
+    head_dim = config.head_dim
+
+    def repeat(x):
+        x = jnp.asarray(x)
+        query, keys, values = jnp.split(x, [q, q + k], axis=-1)
+        heads = [part.reshape(*x.shape[:-1], -1, head_dim) for part in (keys, values)]
+        repeated = [jnp.repeat(part, copies, axis=-2).reshape(*x.shape[:-1], -1) for part in heads]
+        return jnp.concatenate([query, *repeated], axis=-1)
+
+    replicated = jax.tree_util.tree_map(lambda leaf: leaf, params)  # new dicts, the same arrays
+    attn = replicated["layers"]["attn"]
+    attn["qkv"] = repeat(attn["qkv"])
+    if "qkv_bias" in attn:
+        attn["qkv_bias"] = repeat(attn["qkv_bias"])
+    return replicated

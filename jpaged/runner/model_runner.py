@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
+from jpaged.models.fused_columns import replicate_kv_heads
 from jpaged.models.llama import KVCache, StackedProducts, init_kv_cache, model_graphdef, params_dtype
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
@@ -40,7 +41,14 @@ from jpaged.runner.sampling_inputs import (
 )
 from jpaged.runner.step_batch import PreparedStep, StepSchedule, dummy_batch, pad_batch
 from jpaged.runner.step_shapes import StepShapes
-from jpaged.runner.tensor_parallel import kv_sharding, param_shardings, shard_attention, tensor_parallel_mesh
+from jpaged.runner.tensor_parallel import (
+    kv_head_copies,
+    kv_sharding,
+    param_shardings,
+    shard_attention,
+    tensor_parallel_config,
+    tensor_parallel_mesh,
+)
 from jpaged.runner.weight_layout import choose_products
 
 logger = logging.getLogger(__name__)
@@ -81,17 +89,19 @@ class ModelRunner:
         num_swap_blocks: int = 0,
     ) -> None:
         self.config = config
-        self.model_config = model_config
+        tp = config.tensor_parallel_size
+        self._kv_copies = kv_head_copies(tp, model_config)
+        self._loaded_config = model_config  # the weights' shapes as loaded; model_config is the one run
+        self.model_config = model_config = tensor_parallel_config(tp, model_config)
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
         self.dtype = params_dtype(params)
-        tp = config.tensor_parallel_size
-        self.mesh = tensor_parallel_mesh(tp, model_config) if tp > 1 else None
+        self.mesh = tensor_parallel_mesh(tp, self._loaded_config) if tp > 1 else None
         # Tensor parallelism keeps XLA's dots (the CPU matmul kernel sees whole matrices) on fused columns
         # grouped per shard.
         self.products = products = StackedProducts(model_config, tp) if self.mesh else choose_products(params)
         self._shardings = param_shardings(self.mesh, model_config) if self.mesh else None
-        self.params = self._on_device(products.layout(params))
+        self.params = self._on_device(self._device_layout(params))
         self._host_params = None  # the weights while asleep (sleep level 1)
         self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)
         self.attention_impl = resolve_attention_impl(
@@ -202,9 +212,14 @@ class ModelRunner:
             ).compile(),
         )
 
-    def compiled_step_texts(self) -> list[str]:
-        """The optimised HLO of every step compiled so far (what tests read collectives and loops from)."""
-        return [compiled.as_text() for compiled in self._compiled.values()]
+    def compiled_step_texts(self, num_tokens: int | None = None) -> list[str]:
+        """The optimised HLO of every step compiled so far, or of those of `num_tokens` tokens (what tests and
+        benchmarks read collectives and loops from)."""
+        return [
+            compiled.as_text()
+            for (layout, _, _), compiled in self._compiled.items()
+            if num_tokens is None or layout.arrays[0][0] == (num_tokens,)  # the batch's token_ids come first
+        ]
 
     # ---- warm-up ----
 
@@ -290,11 +305,18 @@ class ModelRunner:
     def update_weights(self, params: dict) -> None:
         """Run on these weights from the next step (the loaders' layout; the engine checks that they match the
         compiled steps' inputs leaf for leaf, so nothing recompiles). Asleep, they wait in host memory."""
-        weights = self.products.layout(params)
+        weights = self._device_layout(params)
         if self.asleep:
             self._host_params = jax.device_get(weights)
         else:
             self.params = self._on_device(weights)
+
+    def _device_layout(self, params: dict) -> dict:
+        """The loaders' params as the step takes them: KV heads repeated for more devices than KV heads, then
+        the weight layout."""
+        if self._kv_copies > 1:
+            params = replicate_kv_heads(params, self._loaded_config, self._kv_copies)
+        return self.products.layout(params)
 
     def _on_device(self, weights: dict) -> dict:
         """The weights on the device, or sharded over the mesh."""

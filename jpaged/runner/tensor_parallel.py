@@ -2,11 +2,13 @@
 from the models' logical axes Megatron-style (attention by heads, MLP gate/up by columns and down by rows,
 embedding and LM head by vocabulary, norms replicated), the KV pool by KV heads, and the attention kernel under
 `shard_map` on each device's own heads. Everything else is XLA's: it inserts the collectives (an all-reduce after
-the attention output and the MLP down projections) and runs the sampler on the vocabulary-sharded logits.
+the attention output and the MLP down projections) and runs the sampler on the vocabulary-sharded logits. More
+devices than KV heads repeat each KV head (kv_head_copies), as vLLM does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -23,10 +25,30 @@ SHARDED_AXES = (VOCAB, QKV, HEADS, MLP)  # logical axes split over the mesh; the
 
 
 def check_tensor_parallel_size(size: int, config: ModelConfig) -> None:
-    """Each device must hold whole heads: `size` divides the query and the KV heads."""
-    for what, count in (("attention heads", config.num_heads), ("KV heads", config.num_kv_heads)):
-        if count % size:
-            raise ValueError(f"tensor_parallel_size ({size}) must divide the model's {count} {what}")
+    """Each device must hold whole heads: `size` divides the query heads, and divides the KV heads or is a
+    multiple of them (each device then holds a copy of one: see kv_head_copies)."""
+    if config.num_heads % size:
+        raise ValueError(
+            f"tensor_parallel_size ({size}) must divide the model's {config.num_heads} attention heads"
+        )
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(
+            f"tensor_parallel_size ({size}) must divide the model's {kv} KV heads or be a multiple of them"
+        )
+
+
+def kv_head_copies(size: int, config: ModelConfig) -> int:
+    """How many copies of each KV head `size` devices hold between them: 1 while the devices split the KV heads,
+    else size / KV heads (vLLM's replication: each device keeps the one its query heads read)."""
+    return max(1, size // config.num_kv_heads)
+
+
+def tensor_parallel_config(size: int, config: ModelConfig) -> ModelConfig:
+    """The model as `size` devices run it: its KV heads repeated (kv_head_copies) when they are fewer than the
+    devices, so that the pool and the attention split by KV heads like any other model."""
+    copies = kv_head_copies(size, config)
+    return config if copies == 1 else dataclasses.replace(config, num_kv_heads=config.num_kv_heads * copies)
 
 
 def tensor_parallel_mesh(size: int, config: ModelConfig) -> Mesh:
