@@ -8,6 +8,7 @@ output tokens count. Output tokens/s = counted output tokens / wall time of the 
 
   python scripts/bench_throughput.py                 # both workloads, jpaged and HF, float32
   python scripts/bench_throughput.py --skip-hf --workloads b
+  python scripts/bench_throughput.py --skip-hf --no-async-scheduling   # the serial loop
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--dtype", default="float32", help="jpaged's dtype (HF stays float32)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: the platform's",
+    )
     args = parser.parse_args()
 
     from jpaged import LLM
@@ -83,6 +90,7 @@ def main() -> None:
         max_model_len=512,
         num_blocks=1 + args.num_prompts * (512 // 16),
         dtype=args.dtype,
+        async_scheduling=args.async_scheduling,
     )
     warm = llm.metrics()["num_compilations"]
     print(f"jpaged start-up (load + warm-up of {warm} step shapes): {time.perf_counter() - start:.1f} s")
@@ -108,7 +116,8 @@ def main() -> None:
         rows.append(row)
 
     print(
-        f"\n{args.num_prompts} prompts x {args.input_len} tokens in, jpaged {args.dtype}, CPU; output tokens/s"
+        f"\n{args.num_prompts} prompts x {args.input_len} tokens in, jpaged {args.dtype}, CPU, async scheduling "
+        f"{llm.engine.config.async_scheduling}; output tokens/s"
     )
     print("| workload | jpaged | HF static batching | ratio |")
     print("|---|---|---|---|")
