@@ -43,8 +43,8 @@ def timed(samples: list[float], fn):
 
 def stub_device(engine, rng: np.random.Generator) -> None:
     """Replace the engine's device step by one whose random tokens are ready at once."""
-    from jpaged.runner.model_runner import StepOutput
     from jpaged.runner.sampling_inputs import SamplerOutput
+    from jpaged.runner.step_output import StepOutput
 
     class Ready:
         def __init__(self, num_rows: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jpaged.config import EngineConfig
 from jpaged.models.loader import load_model
-from jpaged.runner.model_runner import activation_peak_bytes
+from jpaged.runner.activation_peak import activation_peak_bytes
 
 
 def test_activation_peak_is_measured_and_grows_with_the_token_budget(tiny_model_dir):

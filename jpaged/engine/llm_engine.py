@@ -23,7 +23,7 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Request, SequenceState, SequenceStatus
 from jpaged.engine.beam_driver import BeamDriver
 from jpaged.engine.output_processor import OutputProcessor
-from jpaged.engine.scheduled_step import ScheduledStep, scheduled_step
+from jpaged.engine.scheduled_step import InFlightStep, ScheduledStep, scheduled_step
 from jpaged.engine.startup import for_this_platform, size_kv_cache
 from jpaged.engine.step_sampling import StepSampling, has_static_sampling, is_plain_greedy, sample_seed_for
 from jpaged.engine.tokenizer import tokenize_bad_words
@@ -31,9 +31,8 @@ from jpaged.models.llama import abstract_params, as_params, params_dtype
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.models.params import check_same_leaves, weights_spec
 from jpaged.outputs import RequestOutput
-from jpaged.runner.model_runner import ModelRunner, PendingOutput
+from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.sampling_inputs import SamplerOutput
-from jpaged.runner.step_batch import PreparedStep
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -42,16 +41,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048
-
-
-@dataclasses.dataclass(slots=True)
-class InFlightStep:
-    """A step on the device whose tokens the host has not processed yet."""
-
-    scheduled: ScheduledStep
-    prepared: PreparedStep
-    output: PendingOutput
-    needs_results: bool  # the next schedule must see its tokens first (see LLMEngine.step)
 
 
 class LLMEngine:

@@ -1,15 +1,20 @@
 """One step as the engine hands it on: the scheduled sequences, the rows they sample, and the plain schedule the
-runner pads (runner.step_batch.StepSchedule), gathered in one pass over the scheduler's plan."""
+runner pads (runner.step_batch.StepSchedule), gathered in one pass over the scheduler's plan; then, launched, the
+step in flight until its tokens are processed."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jpaged.core.sequence import SequenceState
 from jpaged.runner.sampling_inputs import logprobs_bucket
-from jpaged.runner.step_batch import StepSchedule
+from jpaged.runner.step_batch import PreparedStep, StepSchedule
+
+if TYPE_CHECKING:
+    from jpaged.runner.step_output import PendingOutput
 
 
 @dataclass(slots=True)
@@ -81,3 +86,13 @@ def computes_prompt_logprobs(seq: SequenceState) -> bool:
         and seq.index == 0
         and seq.num_computed_tokens < seq.num_prompt_tokens - 1
     )
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A step on the device whose tokens the host has not processed yet."""
+
+    scheduled: ScheduledStep
+    prepared: PreparedStep
+    output: PendingOutput
+    needs_results: bool  # the next schedule must see its tokens first (see LLMEngine.step)

@@ -21,7 +21,7 @@ from jpaged.core.kv_cache_sizing import (
 )
 from jpaged.models.llama import params_dtype
 from jpaged.models.loader import LoadedModel
-from jpaged.runner.model_runner import activation_peak_bytes
+from jpaged.runner.activation_peak import activation_peak_bytes
 from jpaged.runner.tensor_parallel import check_tensor_parallel_size, tensor_parallel_config
 
 logger = logging.getLogger(__name__)

@@ -7,13 +7,11 @@ logged, never silent. The KV cache is donated: XLA updates it in place.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +31,13 @@ from jpaged.runner.executable_cache import step_cache
 from jpaged.runner.kv_transfer import HostSwapSpace
 from jpaged.runner.packed_inputs import PackedLayout, pack
 from jpaged.runner.sampling_inputs import (
-    SamplerOutput,
     SamplingRow,
     SamplingTensors,
     step_sampling_tensors,
     with_truncation,
 )
 from jpaged.runner.step_batch import PreparedStep, StepSchedule, dummy_batch, pad_batch
+from jpaged.runner.step_output import PendingOutput
 from jpaged.runner.step_shapes import StepShapes
 from jpaged.runner.tensor_parallel import (
     kv_head_copies,
@@ -52,28 +50,6 @@ from jpaged.runner.tensor_parallel import (
 from jpaged.runner.weight_layout import choose_products
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What a step brings back to the host: the sampled rows and, when asked, the prompt logprobs of every token,
-    values and ids [T, 1 + K] (the target, then the top K) and the target's rank [T]."""
-
-    sampled: SamplerOutput
-    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-
-
-class PendingOutput:
-    """A dispatched step's outputs on their way to the host: `result()` waits for them."""
-
-    def __init__(self, sampled, prompt_logprobs) -> None:
-        self._arrays = (sampled, prompt_logprobs)
-        for leaf in jax.tree_util.tree_leaves(self._arrays):
-            leaf.copy_to_host_async()
-
-    def result(self) -> StepOutput:
-        sampled, prompt_logprobs = jax.tree_util.tree_map(np.asarray, self._arrays)
-        return StepOutput(sampled, prompt_logprobs)
 
 
 class ModelRunner:
@@ -131,7 +107,7 @@ class ModelRunner:
             shape = (mc.num_layers, num_swap_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
             self.swap_space = HostSwapSpace(shape, self.kv_dtype)
         self.graphdef = model_graphdef(model_config)
-        attention = _attention_for(config, model_config, self.attention_impl, self.dtype)
+        attention = attention_for(config, model_config, self.attention_impl, self.dtype)
         if self.mesh:
             attention = shard_attention(attention, self.mesh)
         step = bind_step(self.graphdef, attention, products, branch_free=self.branch_free)
@@ -390,7 +366,7 @@ class ModelRunner:
         self.kv_cache = self._scatter_blocks(self.kv_cache, np.asarray(block_ids, np.int32), k, v)
 
 
-def _attention_for(config: EngineConfig, model_config: ModelConfig, impl: str, dtype) -> Callable:
+def attention_for(config: EngineConfig, model_config: ModelConfig, impl: str, dtype) -> Callable:
     return get_attention_fn(
         impl,
         num_kv_heads=model_config.num_kv_heads,
@@ -398,41 +374,3 @@ def _attention_for(config: EngineConfig, model_config: ModelConfig, impl: str, d
         head_dim=model_config.head_dim,
         dtype=dtype,
     )
-
-
-def activation_peak_bytes(
-    config: EngineConfig, model_config: ModelConfig, params: dict, max_model_len: int
-) -> int:
-    """Scratch memory XLA needs for the largest step bucket, read from its compiled memory analysis.
-
-    Sizing the KV pool on an accelerator subtracts this, so the pool never squeezes out the step's activations.
-    Everything is abstract (ShapeDtypeStructs): nothing is allocated to measure it.
-    """
-    dtype = params_dtype(params)
-    abstract = functools.partial(jax.tree_util.tree_map, lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype))
-    cache_shape = (
-        model_config.num_layers,
-        2,
-        config.block_size,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-    )
-    cache = KVCache(*(jax.ShapeDtypeStruct(cache_shape, dtype) for _ in range(2)))
-    tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
-    batch = dummy_batch(tokens, seqs, cdiv(max_model_len, config.block_size))
-    sampling = with_truncation(step_sampling_tensors([], seqs, model_config.vocab_size))  # the larger variant
-    products = choose_products(abstract(params))
-    attention = _attention_for(config, model_config, config.attention_impl, dtype)
-    packed, layout = pack((batch, sampling, None))
-    branch_free = jax.default_backend() != "cpu"
-    step = functools.partial(
-        bind_step(model_graphdef(model_config), attention, products, branch_free=branch_free),
-        layout=layout,
-        num_logprobs=None,
-        num_prompt_logprobs=None,
-    )
-    device_params = jax.eval_shape(products.layout, abstract(params))
-    last_tokens = jax.ShapeDtypeStruct((seqs,), np.int32)
-    compiled = jax.jit(step).lower(device_params, cache, last_tokens, packed).compile()
-    analysis = compiled.memory_analysis()
-    return int(analysis.temp_size_in_bytes) if analysis is not None else 0

@@ -1,0 +1,57 @@
+"""The scratch memory XLA needs for the largest step, which KV sizing on an accelerator leaves free."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from jpaged.config import EngineConfig
+from jpaged.models.config import ModelConfig
+from jpaged.models.llama import KVCache, model_graphdef, params_dtype
+from jpaged.rounding import cdiv
+from jpaged.runner.device_step import bind_step
+from jpaged.runner.model_runner import attention_for
+from jpaged.runner.packed_inputs import pack
+from jpaged.runner.sampling_inputs import step_sampling_tensors, with_truncation
+from jpaged.runner.step_batch import dummy_batch
+from jpaged.runner.weight_layout import choose_products
+
+
+def activation_peak_bytes(
+    config: EngineConfig, model_config: ModelConfig, params: dict, max_model_len: int
+) -> int:
+    """Scratch memory XLA needs for the largest step bucket, read from its compiled memory analysis.
+
+    Sizing the KV pool on an accelerator subtracts this, so the pool never squeezes out the step's activations.
+    Everything is abstract (ShapeDtypeStructs): nothing is allocated to measure it.
+    """
+    dtype = params_dtype(params)
+    abstract = functools.partial(jax.tree_util.tree_map, lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype))
+    cache_shape = (
+        model_config.num_layers,
+        2,
+        config.block_size,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+    )
+    cache = KVCache(*(jax.ShapeDtypeStruct(cache_shape, dtype) for _ in range(2)))
+    tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
+    batch = dummy_batch(tokens, seqs, cdiv(max_model_len, config.block_size))
+    sampling = with_truncation(step_sampling_tensors([], seqs, model_config.vocab_size))  # the larger variant
+    products = choose_products(abstract(params))
+    attention = attention_for(config, model_config, config.attention_impl, dtype)
+    packed, layout = pack((batch, sampling, None))
+    branch_free = jax.default_backend() != "cpu"
+    step = functools.partial(
+        bind_step(model_graphdef(model_config), attention, products, branch_free=branch_free),
+        layout=layout,
+        num_logprobs=None,
+        num_prompt_logprobs=None,
+    )
+    device_params = jax.eval_shape(products.layout, abstract(params))
+    last_tokens = jax.ShapeDtypeStruct((seqs,), np.int32)
+    compiled = jax.jit(step).lower(device_params, cache, last_tokens, packed).compile()
+    analysis = compiled.memory_analysis()
+    return int(analysis.temp_size_in_bytes) if analysis is not None else 0
