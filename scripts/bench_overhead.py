@@ -41,6 +41,14 @@ def timed(samples: list[float], fn):
     return wrapper
 
 
+def start_decoding(engine, size: int, params, rng: np.random.Generator) -> None:
+    """`size` requests of 64 random prompt tokens, stepped until every one has its prompt computed (decoding)."""
+    for i in range(size):
+        engine.add_request(f"r{i}", list(map(int, rng.integers(100, 40000, 64))), params)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < 64 for s in engine.scheduler.running):
+        engine.step()
+
+
 def stub_device(engine, rng: np.random.Generator) -> None:
     """Replace the engine's device step by one whose random tokens are ready at once."""
     from jpaged.runner.sampling_inputs import SamplerOutput
@@ -101,12 +109,7 @@ def main() -> None:
                 ignore_eos=True,
                 output_kind=RequestOutputKind[kind],
             )
-            for i in range(size):
-                engine.add_request(f"r{i}", list(map(int, rng.integers(100, 40000, 64))), params)
-            while engine.scheduler.waiting or any(
-                s.num_computed_tokens < 64 for s in engine.scheduler.running
-            ):
-                engine.step()
+            start_decoding(engine, size, params, rng)
             for name in timings:
                 timings[name].clear()
             totals = []

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_overhead import stub_device  # noqa: E402
+from bench_overhead import start_decoding, stub_device  # noqa: E402
 
 
 def cut_to_layers(model, num_layers: int):
@@ -144,10 +144,7 @@ def main() -> None:
         # enough for every timed step, plus the lead the first prompts' sequences take during the prefills
         max_tokens = args.rounds * (3 * args.steps + 3) + 8 + 64 * size // config.max_num_batched_tokens
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-        for i in range(size):
-            engine.add_request(f"r{i}", list(map(int, rng.integers(100, 40000, 64))), params)
-        while engine.scheduler.waiting or any(s.num_computed_tokens < 64 for s in engine.scheduler.running):
-            engine.step()
+        start_decoding(engine, size, params, rng)
         times = {"sync": [], "async": [], "device": [], "host": []}
         dispatch = engine.runner.dispatch
         for _ in range(args.rounds):

@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_overhead import start_decoding  # noqa: E402
 from bench_overlap import decode_step_times, tiny_random  # noqa: E402
 
 COLLECTIVE = re.compile(
@@ -84,12 +85,7 @@ def main() -> None:
                 ignore_eos=True,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
-            for i in range(size):
-                engine.add_request(f"r{i}", list(map(int, rng.integers(100, 40000, 64))), params)
-            while engine.scheduler.waiting or any(
-                s.num_computed_tokens < 64 for s in engine.scheduler.running
-            ):
-                engine.step()
+            start_decoding(engine, size, params, rng)
             step_ms = statistics.median(decode_step_times(engine, args.steps, size)) * 1e3
             baseline = baseline or step_ms
             num_tokens, _ = engine.runner.shapes.shape_for(size, size)  # the decode steps' bucket
