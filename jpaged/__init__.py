@@ -19,6 +19,8 @@ _EXPORTS = {
     "RequestOutput": "jpaged.outputs",
     "CompletionOutput": "jpaged.outputs",
     "Logprob": "jpaged.outputs",
+    "initialize_distributed": "jpaged.runner.multihost",
+    "follow": "jpaged.runner.leader_runner",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

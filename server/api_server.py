@@ -87,7 +87,7 @@ def _add_info_routes(app: FastAPI) -> None:
     async def health(request: Request) -> Response:
         state = get_state(request)
         if not state.engine.is_alive:
-            return error_response(503, f"the engine loop died: {state.engine.error!r}")
+            return error_response(503, state.engine.failure)
         if state.draining:
             return error_response(503, "the server is shutting down")
         return Response(status_code=200)

@@ -49,7 +49,7 @@ def run(model: str | None, tp: int) -> dict:
     }
 
 
-def engine_features(model: str, tp: int) -> dict:
+def engine_features(model: str, tp: int, modes: tuple[str, ...] = ("recompute", "swap")) -> dict:
     """What the engine does around the step, each on an engine of `tp` devices: the tokens, and the counters
     that show the feature ran."""
     engine_args = dict(tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
@@ -68,7 +68,7 @@ def engine_features(model: str, tp: int) -> dict:
     beams = llm.beam_search(prompts[:2], beam_width=3, max_tokens=6, ignore_eos=True)
     results["beam search"] = [[c.token_ids for c in o.outputs] for o in beams]
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    for mode in ("recompute", "swap"):  # 4 x 6 blocks wanted, 14 held: preemption
+    for mode in modes:  # 4 x 6 blocks wanted, 14 held: preemption
         small = LLM(
             model, num_blocks=14, preemption_mode=mode, swap_space=0.01, enforce_eager=True, **engine_args
         )

@@ -42,8 +42,17 @@ class AsyncLLMEngine:
         return cls(LLMEngine(config))
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve (its loop died, or the devices cannot go on), or None."""
+        if self.error is not None:
+            return f"the engine loop died: {self.error!r}"
+        if self.engine.runner.failure is not None:
+            return self.engine.runner.failure
+        return None if self._thread.is_alive() else "the engine loop has stopped"
+
+    @property
     def is_alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.failure is None
 
     @property
     def num_unfinished(self) -> int:
@@ -65,7 +74,7 @@ class AsyncLLMEngine:
         while the request is still being added.
         """
         if not self.is_alive:
-            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+            raise EngineDeadError(f"the engine is not running: {self.failure}")
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 

@@ -31,7 +31,7 @@ from jpaged.models.llama import abstract_params, as_params, params_dtype
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.models.params import check_same_leaves, weights_spec
 from jpaged.outputs import RequestOutput
-from jpaged.runner.model_runner import ModelRunner
+from jpaged.runner.leader_runner import start_runner
 from jpaged.runner.sampling_inputs import SamplerOutput
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -63,8 +63,14 @@ class LLMEngine:
             size.num_blocks, config.block_size, config.enable_prefix_caching, size.num_swap_blocks
         )
         self.scheduler = Scheduler(config, self.blocks)
-        self.runner = ModelRunner(
-            config, mc, self.model.params, size.num_blocks, self.max_model_len, size.num_swap_blocks
+        self.runner = start_runner(
+            config,
+            mc,
+            self.model.params,
+            from_memory=source.kind == "params",
+            num_blocks=size.num_blocks,
+            max_model_len=self.max_model_len,
+            num_swap_blocks=size.num_swap_blocks,
         )
         # The runner holds the weights from here on; the engine keeps their shapes (what update_weights checks).
         self.model = dataclasses.replace(self.model, params=weights_spec(self.model.params))

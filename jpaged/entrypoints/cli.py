@@ -44,11 +44,38 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**values)
 
 
+def add_distributed_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one engine over several processes (jax.distributed; implied by JAX_COORDINATOR_ADDRESS): "
+        "process 0 runs the engine, every other process follows it",
+    )
+
+
+def _join_processes(args: argparse.Namespace) -> bool:
+    """With --distributed, join the process group; True for a follower, which must then only follow."""
+    from jpaged.runner import multihost
+
+    if not (args.distributed or multihost.distributed_requested()):
+        return False
+    multihost.initialize_distributed()
+    return multihost.process_id() != 0
+
+
+def _follow(config: EngineConfig) -> int:
+    from jpaged.runner.leader_runner import follow
+
+    return follow(config.gpu_memory_utilization)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from jpaged.entrypoints.llm import LLM
     from jpaged.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
+    if _join_processes(args):
+        return _follow(config)
     llm = LLM(**dataclasses.asdict(config))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.no_chat_template or llm.tokenizer.chat_template is None:
@@ -74,7 +101,10 @@ def _convert(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from jpaged_server.cli import serve
 
-    return serve(args, engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if _join_processes(args):
+        return _follow(config)
+    return serve(args, config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,12 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--no-chat-template", action="store_true", help="complete the raw prompt")
     add_engine_args(generate)
+    add_distributed_arg(generate)
     generate.set_defaults(run=_generate, enforce_eager=True)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, help="model (default: the embedded SmolLM2)")
     add_server_args(serve)
     add_engine_args(serve)
+    add_distributed_arg(serve)
     serve.set_defaults(run=_serve)
 
     convert = commands.add_parser("convert", help="write an orbax checkpoint of a model for fast loading")

@@ -85,7 +85,8 @@ def step_cache(directory: str | None) -> ExecutableCache:
     if jax.config.jax_compilation_cache_dir:
         return ExecutableCache(None)  # the user (or JAX_COMPILATION_CACHE_DIR) chose JAX's cache
     if jax.default_backend() == "cpu":
-        return ExecutableCache(root / "executables")
+        # A multi-process program's executable is one process's part of it: compiled afresh each start.
+        return ExecutableCache(root / "executables" if jax.process_count() == 1 else None)
     jax.config.update("jax_compilation_cache_dir", str(root))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return ExecutableCache(None)

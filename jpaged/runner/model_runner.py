@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """The device side of an engine: the weights, the KV pool, the compiled step programs."""
 
+    failure: str | None = None  # why the devices cannot go on (a multi-process engine's lost follower)
+
     def __init__(
         self,
         config: EngineConfig,

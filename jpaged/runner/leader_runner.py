@@ -1,0 +1,187 @@
+"""The model runner of a multi-process engine: process 0's runner tells every follower each device action before it
+runs it, and each follower's loop (`follow`) runs the same action on the same inputs, so every process launches
+the same programs in the same order, as multi-controller JAX requires (see multihost.py).
+
+Messages are (engine id, action, arguments): process 0 may hold several engines in turn (or at once), and each
+follower holds a runner for each. "start" builds one, "close" (when process 0's engine is garbage-collected)
+drops it, and "stop" (at process 0's exit) ends the follower.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import itertools
+import logging
+import weakref
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jpaged.config import EngineConfig
+from jpaged.core.kv_cache_sizing import configure_accelerator_allocator
+from jpaged.models.config import ModelConfig
+from jpaged.models.llama import abstract_params, params_dtype
+from jpaged.models.loader import load_model
+from jpaged.models.params import check_same_leaves
+from jpaged.runner.model_runner import ModelRunner
+from jpaged.runner.multihost import Followers, connect_to_leader, receive
+
+logger = logging.getLogger(__name__)
+
+_engine_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class FollowerStart:
+    """What a follower needs to build the same runner as process 0: the settled config and sizes; it loads the
+    weights (its own shards) from config.model itself."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    dtype: str
+    num_blocks: int
+    max_model_len: int
+    num_swap_blocks: int
+
+
+class LeaderRunner:
+    """Process 0's ModelRunner: each action that launches device work goes to the followers first. Everything
+    else (reads of sizes, shapes, compiled programs) is the local runner's."""
+
+    def __init__(self, runner: ModelRunner, followers: Followers, engine_id: int) -> None:
+        self._runner = runner
+        self._followers = followers
+        self._id = engine_id
+        weakref.finalize(self, followers.send_later, (engine_id, "close", ()))
+
+    def __getattr__(self, name: str):
+        return getattr(self._runner, name)
+
+    @property
+    def failure(self) -> str | None:
+        return self._followers.failure
+
+    def _both(self, action: str, *args):
+        self._followers.send((self._id, action, args))
+        return getattr(self._runner, action)(*args)
+
+    def dispatch(self, step, sampling, num_logprobs):
+        return self._both("dispatch", step, sampling, num_logprobs)
+
+    def copy_blocks(self, copies):
+        return self._both("copy_blocks", copies)
+
+    def warmup(self, progress: bool = True) -> float:
+        self._followers.send((self._id, "warmup", (False,)))
+        return self._runner.warmup(progress)
+
+    def run_unrun_shape(self) -> bool:
+        return self._both("run_unrun_shape")
+
+    def sleep(self, level: int) -> None:
+        self._both("sleep", level)
+
+    def wake_up(self) -> None:
+        self._both("wake_up")
+
+    def swap(self, swap_out, swap_in) -> None:
+        if swap_out or swap_in:
+            raise RuntimeError("swap preemption is refused at start-up when the engine spans processes")
+
+    def update_weights(self, params: dict) -> None:
+        raise ValueError(
+            "update_weights is not available when the engine spans several processes: each process holds only "
+            "its shards, and the followers have no trainer to take new weights from"
+        )
+
+
+def start_runner(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    params: dict,
+    *,
+    from_memory: bool,
+    num_blocks: int,
+    max_model_len: int,
+    num_swap_blocks: int,
+) -> ModelRunner | LeaderRunner:
+    """The engine's runner: this process's alone, or with more processes, process 0's, once every follower has
+    been told what to build (they load their weights while this one places its own)."""
+    runner_args = (num_blocks, max_model_len, num_swap_blocks)
+    if jax.process_count() == 1:
+        return ModelRunner(config, model_config, params, *runner_args)
+    if jax.process_index() != 0:
+        raise ValueError(
+            f"this is process {jax.process_index()} of {jax.process_count()}: only process 0 runs the engine; "
+            "the others run jpaged.follow() (`jpaged serve --distributed` does this on every process)"
+        )
+    if from_memory:
+        raise ValueError(
+            "an engine over weights in memory (LLM.from_params) runs in one process: the followers of a "
+            "multi-process engine load the model from its path"
+        )
+    if config.preemption_mode == "swap":
+        raise ValueError(
+            "preemption_mode 'swap' keeps swapped blocks in one process's memory; an engine spanning "
+            f"{jax.process_count()} processes needs 'recompute'"
+        )
+    channel, engine_id = _channel(), next(_engine_ids)
+    start = FollowerStart(config, model_config, str(params_dtype(params)), *runner_args)
+    channel.send((engine_id, "start", (start,)))
+    return LeaderRunner(ModelRunner(config, model_config, params, *runner_args), channel, engine_id)
+
+
+@functools.cache
+def _channel() -> Followers:
+    """The followers' connections, made when process 0's first engine starts (every follower connects then), and
+    their "stop" at exit, registered after JAX's own exit handler so that it runs first (JAX's waits for every
+    process to exit)."""
+    channel = Followers()
+    atexit.register(channel.close, (None, "stop", ()))
+    return channel
+
+
+def follow(gpu_memory_utilization: float = 0.9) -> int:
+    """A follower process's whole life: start the backend (every process starts theirs together: they exchange
+    their devices), connect to process 0, then run what it sends (build a runner, run a device action on one)
+    until it says stop (returns 0) or goes away (returns 1)."""
+    configure_accelerator_allocator(gpu_memory_utilization)
+    jax.devices()
+    connection = connect_to_leader()
+    logger.info("following process 0 (process %d of %d)", jax.process_index(), jax.process_count())
+    runners: dict[int, ModelRunner] = {}
+    while True:
+        try:
+            engine_id, action, args = receive(connection)
+        except (EOFError, OSError):
+            logger.error("process 0 went away: this follower stops")
+            return 1
+        if action == "stop":
+            return 0
+        if action == "start":
+            runners[engine_id] = _follower_runner(*args)
+        elif action == "close":
+            del runners[engine_id]
+        else:
+            getattr(runners[engine_id], action)(*args)
+
+
+def _follower_runner(start: FollowerStart) -> ModelRunner:
+    """The runner process 0 described, on weights this process loads (the same model path on every host)."""
+    dtype = jnp.dtype(start.dtype)
+    model = load_model(start.config.model, dtype, progress=False)
+    check_same_leaves(
+        abstract_params(start.model_config, dtype),
+        model.params,
+        f"the weights this process loaded from {model.source.path}",
+    )
+    return ModelRunner(
+        start.config,
+        start.model_config,
+        model.params,
+        start.num_blocks,
+        start.max_model_len,
+        start.num_swap_blocks,
+    )

@@ -1,0 +1,26 @@
+"""Run by tests/test_multihost.py: tensor_parallel_worker's greedy generation and engine features (recompute
+preemption: swap is one process's) at one tensor_parallel_size, printed as one JSON line.
+
+  python tests/multihost_worker.py MODEL_PATH TP
+
+Alone, it is one process. Started twice with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES=2 and JAX_PROCESS_ID set,
+it is one engine over both processes: process 0 generates and prints, process 1 follows it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jpaged
+from jpaged.runner.multihost import distributed_requested, process_id
+
+if __name__ == "__main__":
+    if distributed_requested():
+        jpaged.initialize_distributed()
+        if process_id() != 0:
+            sys.exit(jpaged.follow())
+    from tensor_parallel_worker import engine_features, run
+
+    model, tp = sys.argv[1], int(sys.argv[2])
+    print(json.dumps({"run": run(model, tp), "features": engine_features(model, tp, modes=("recompute",))}))
