@@ -12,7 +12,11 @@ import json
 import re
 import sys
 
+import jax
+import numpy as np
+
 from jpaged import LLM, SamplingParams
+from jpaged.models.loader import load_model
 
 PROMPTS = [list(range(100, 120)), list(range(5, 40)), [7, 7, 7]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -20,6 +24,18 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs
 
 def per_device_bytes(array) -> list[int]:
     return sorted(shard.data.nbytes for shard in array.addressable_shards)
+
+
+def placed_as_laid_out(runner, model: str | None) -> bool:
+    """Each device's part of every weight, cut from the host arrays when the engine placed them, is that part of
+    the whole weight in the step's layout."""
+    whole = jax.device_get(runner._device_layout(load_model(model, progress=False).params))
+    placed = jax.tree_util.tree_leaves(runner.params)
+    return all(
+        np.array_equal(shard.data, expected[shard.index])
+        for leaf, expected in zip(placed, jax.tree_util.tree_leaves(whole), strict=True)
+        for shard in leaf.addressable_shards
+    )
 
 
 def run(model: str | None, tp: int) -> dict:
@@ -46,6 +62,7 @@ def run(model: str | None, tp: int) -> dict:
         "logprobs": [[{str(k): v.logprob for k, v in step.items()} for step in o.logprobs] for o in outputs],
         "qkv_bytes": [qkv.nbytes, per_device_bytes(qkv)],
         "pool_bytes": [pool.nbytes, per_device_bytes(pool)],
+        "placed as laid out": placed_as_laid_out(runner, model),
     }
 
 

@@ -1,7 +1,8 @@
 """One engine over two processes: jax.distributed on localhost with the CPU backend, two simulated devices in each,
 tensor_parallel_size 4 over all four. Process 0 decides every step and the follower repeats its device actions:
-the tokens (and the engine's features) are those of one process, from the Python API and over HTTP, each process
-holds only its devices' shards, and a follower's death turns /health unhealthy."""
+the tokens (and the engine's features) are those of one process, from the Python API and over HTTP (from an orbax
+checkpoint, whose restore waits for every process), each process holds only its devices' shards, and a
+follower's death turns /health unhealthy."""
 
 from __future__ import annotations
 
@@ -91,13 +92,26 @@ def test_two_processes_generate_as_one_and_hold_their_devices_shards(model, one_
         assert shards == [total // 4] * 2
     assert two["run"]["pool_bytes"][0] == 2 * one_process["run"]["pool_bytes"][0]
     assert any(op == "all-reduce" for op, _ in two["run"]["collectives"])
+    assert two["run"]["placed as laid out"]  # each process cut its own devices' parts
+
+
+@pytest.fixture(scope="module")
+def orbax_model(model, tmp_path_factory) -> str:
+    """The same model as an orbax checkpoint (whose restore waits for every process)."""
+    from jpaged.models.checkpoint import save_checkpoint
+    from jpaged.models.loader import load_model
+
+    loaded = load_model(model, progress=False)
+    path = tmp_path_factory.mktemp("orbax") / "model"
+    save_checkpoint(path, loaded.config, loaded.params, loaded.tokenizer)
+    return str(path)
 
 
 @pytest.fixture
-def serving_pair(model, tmp_path):
+def serving_pair(orbax_model, tmp_path):
     """`jpaged serve --distributed` in two processes; yields (base URL, leader, follower) once /health is 200."""
     port, http_port = free_port(), free_port()
-    command = [sys.executable, "-m", "jpaged.entrypoints.cli", "serve", model, "--distributed"]
+    command = [sys.executable, "-m", "jpaged.entrypoints.cli", "serve", orbax_model, "--distributed"]
     command += ["--tensor-parallel-size", "4", "--port", str(http_port), *ENGINE_FLAGS]
     logs = [tmp_path / f"process{i}.log" for i in (0, 1)]
     processes = [

@@ -37,6 +37,7 @@ def assert_same_as_one_device(runs: dict, tp: int, tolerance: float = 1e-5) -> N
     for name in ("qkv_bytes", "pool_bytes"):  # each of the tp devices holds 1/tp
         total, shards = split[name]
         assert shards == [total // tp] * tp and one[name][1] == [total]
+    assert split["placed as laid out"]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_bias", "qwen3_qk_norm"])

@@ -28,10 +28,10 @@ from jpaged.engine.startup import for_this_platform, size_kv_cache
 from jpaged.engine.step_sampling import StepSampling, has_static_sampling, is_plain_greedy, sample_seed_for
 from jpaged.engine.tokenizer import tokenize_bad_words
 from jpaged.models.llama import abstract_params, as_params, params_dtype
-from jpaged.models.loader import LoadedModel, load_model
+from jpaged.models.loader import LoadedModel
 from jpaged.models.params import check_same_leaves, weights_spec
 from jpaged.outputs import RequestOutput
-from jpaged.runner.leader_runner import start_runner
+from jpaged.runner.leader_runner import load_model_everywhere, start_runner
 from jpaged.runner.sampling_inputs import SamplerOutput
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -51,7 +51,7 @@ class LLMEngine:
     ):
         config, dtype = for_this_platform(config or EngineConfig(**engine_args))
         self.config = config
-        self.model = model or load_model(config.model, dtype)
+        self.model = model or load_model_everywhere(config.model, dtype)
         self.model_config = mc = self.model.config
         source = self.model.source
         given_as = "the params given" if source.kind == "params" else f"the weights loaded from {source.path}"

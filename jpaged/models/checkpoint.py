@@ -28,11 +28,14 @@ def save_checkpoint(directory: Path, config: ModelConfig, weights, tokenizer) ->
 
 
 def restore_checkpoint(directory: Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
-    """Config and params (numpy, `dtype`) from a directory written by `save_checkpoint`."""
+    """Config and params (numpy, `dtype`) from a directory written by `save_checkpoint`. They are restored into
+    host arrays: left to itself orbax would place each on the device it was saved from."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).resolve()
     config = ModelConfig.from_json_dict(json.loads((directory / ORBAX_MARKER).read_text()))
     with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(directory / "params")
+        saved = checkpointer.metadata(directory / "params").item_metadata
+        host = jax.tree_util.tree_map(lambda leaf: np.empty(leaf.shape, leaf.dtype), saved)
+        restored = checkpointer.restore(directory / "params", host)
     return config, jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=dtype), restored)

@@ -3,8 +3,9 @@ runs it, and each follower's loop (`follow`) runs the same action on the same in
 the same programs in the same order, as multi-controller JAX requires (see multihost.py).
 
 Messages are (engine id, action, arguments): process 0 may hold several engines in turn (or at once), and each
-follower holds a runner for each. "start" builds one, "close" (when process 0's engine is garbage-collected)
-drops it, and "stop" (at process 0's exit) ends the follower.
+follower holds a runner for each. "load" loads the next engine's model (every process together: orbax's restore
+waits for all of them), "start" builds its runner, "close" (when process 0's engine is garbage-collected) drops
+it, and "stop" (at process 0's exit) ends the follower.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jpaged.config import EngineConfig
 from jpaged.core.kv_cache_sizing import configure_accelerator_allocator
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import abstract_params, params_dtype
-from jpaged.models.loader import load_model
+from jpaged.models.loader import LoadedModel, load_model
 from jpaged.models.params import check_same_leaves
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.multihost import Followers, connect_to_leader, receive
@@ -97,6 +98,13 @@ class LeaderRunner:
         )
 
 
+def load_model_everywhere(model: str | None, dtype) -> LoadedModel:
+    """`load_model`, with every follower loading the same model (from the same path on its host) meanwhile."""
+    if jax.process_count() > 1 and jax.process_index() == 0:
+        _channel().send((None, "load", (model, str(jnp.dtype(dtype)))))
+    return load_model(model, dtype)
+
+
 def start_runner(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -152,6 +160,7 @@ def follow(gpu_memory_utilization: float = 0.9) -> int:
     connection = connect_to_leader()
     logger.info("following process 0 (process %d of %d)", jax.process_index(), jax.process_count())
     runners: dict[int, ModelRunner] = {}
+    loaded: LoadedModel | None = None  # the next engine's model
     while True:
         try:
             engine_id, action, args = receive(connection)
@@ -160,20 +169,21 @@ def follow(gpu_memory_utilization: float = 0.9) -> int:
             return 1
         if action == "stop":
             return 0
-        if action == "start":
-            runners[engine_id] = _follower_runner(*args)
+        if action == "load":
+            model, dtype = args
+            loaded = load_model(model, jnp.dtype(dtype), progress=False)
+        elif action == "start":
+            runners[engine_id], loaded = _follower_runner(*args, loaded), None
         elif action == "close":
             del runners[engine_id]
         else:
             getattr(runners[engine_id], action)(*args)
 
 
-def _follower_runner(start: FollowerStart) -> ModelRunner:
-    """The runner process 0 described, on weights this process loads (the same model path on every host)."""
-    dtype = jnp.dtype(start.dtype)
-    model = load_model(start.config.model, dtype, progress=False)
+def _follower_runner(start: FollowerStart, model: LoadedModel) -> ModelRunner:
+    """The runner process 0 described, on the weights this process loaded."""
     check_same_leaves(
-        abstract_params(start.model_config, dtype),
+        abstract_params(start.model_config, jnp.dtype(start.dtype)),
         model.params,
         f"the weights this process loaded from {model.source.path}",
     )

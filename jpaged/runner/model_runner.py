@@ -43,6 +43,7 @@ from jpaged.runner.tensor_parallel import (
     kv_head_copies,
     kv_sharding,
     param_shardings,
+    place_sharded,
     shard_attention,
     tensor_parallel_config,
     tensor_parallel_mesh,
@@ -79,7 +80,7 @@ class ModelRunner:
         # grouped per shard.
         self.products = products = StackedProducts(model_config, tp) if self.mesh else choose_products(params)
         self._shardings = param_shardings(self.mesh, model_config) if self.mesh else None
-        self.params = self._on_device(self._device_layout(params))
+        self.params = self._place(params)
         self._host_params = None  # the weights while asleep (sleep level 1)
         self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)
         self.attention_impl = resolve_attention_impl(
@@ -283,11 +284,34 @@ class ModelRunner:
     def update_weights(self, params: dict) -> None:
         """Run on these weights from the next step (the loaders' layout; the engine checks that they match the
         compiled steps' inputs leaf for leaf, so nothing recompiles). Asleep, they wait in host memory."""
-        weights = self._device_layout(params)
         if self.asleep:
-            self._host_params = jax.device_get(weights)
+            self._host_params = jax.device_get(self._device_layout(params))
         else:
-            self.params = self._on_device(weights)
+            self.params = self._place(params)
+
+    def _place(self, params: dict) -> dict:
+        """The loaders' params on the device in the step's layout. Sharded host arrays go to each device as its
+        own part (tensor_parallel.place_sharded); device arrays (a trainer's) are laid out where they are."""
+        if self.mesh is None or not all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(params)):
+            return self._on_device(self._device_layout(params))
+        return place_sharded(params, self._shardings, self._fused_columns(params))
+
+    def _fused_columns(self, params: dict) -> dict[str, np.ndarray]:
+        """For each fused leaf (by key path), the loaders' column each of its step-layout columns comes from:
+        the device layout applied to the columns' indices."""
+        attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
+        indices = {
+            "layers": {
+                "attn": {"qkv": np.arange(attn["qkv"].shape[-1])},
+                "mlp": {"gate_up": np.arange(mlp["gate_up"].shape[-1])},
+            }
+        }
+        laid_out = self._device_layout(indices)["layers"]
+        qkv, gate_up = np.asarray(laid_out["attn"]["qkv"]), np.asarray(laid_out["mlp"]["gate_up"])
+        columns = {"['layers']['attn']['qkv']": qkv, "['layers']['mlp']['gate_up']": gate_up}
+        if "qkv_bias" in attn:
+            columns["['layers']['attn']['qkv_bias']"] = qkv  # the bias's columns are the matrix's
+        return columns
 
     def _device_layout(self, params: dict) -> dict:
         """The loaders' params as the step takes them: KV heads repeated for more devices than KV heads, then

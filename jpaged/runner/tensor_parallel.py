@@ -75,6 +75,26 @@ def param_shardings(mesh: Mesh, config: ModelConfig) -> dict:
     )
 
 
+def place_sharded(params: dict, shardings: dict, columns: dict) -> dict:
+    """Host params (numpy) on the mesh, each device given only its part, cut from the host arrays: a leaf that
+    `columns` names (its path -> the host column each of the step's columns comes from, for the fused matrices
+    whose KV heads are repeated and columns grouped per shard) is gathered column by column, the rest sliced. No
+    device ever holds a whole matrix, and a process builds only its own devices' parts."""
+
+    def place(path, leaf: np.ndarray, sharding: NamedSharding) -> jax.Array:
+        source = columns.get(jax.tree_util.keystr(path))
+        shape = leaf.shape if source is None else (*leaf.shape[:-1], len(source))
+
+        def part(index: tuple[slice, ...]) -> np.ndarray:
+            if source is None:
+                return leaf[index]
+            return leaf[(*index[:-1], source[index[-1]])]
+
+        return jax.make_array_from_callback(shape, sharding, part)
+
+    return jax.tree_util.tree_map_with_path(place, params, shardings)
+
+
 def kv_sharding(mesh: Mesh) -> NamedSharding:
     """The pool [L, N, B, Hk, Dh] split by KV heads: each device holds its own heads' pages."""
     return NamedSharding(mesh, P(None, None, None, AXIS, None))
