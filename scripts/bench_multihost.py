@@ -119,11 +119,10 @@ def child(args: argparse.Namespace) -> None:
         print(json.dumps({"steps": decode_steps(args.model, sizes, args.steps)}))
         return
     import jpaged
-    from jpaged.runner.multihost import process_id
 
-    jpaged.initialize_distributed()
+    leader = jpaged.initialize_distributed() == 0
     broadcasts = broadcast_us()
-    if process_id() != 0:
+    if not leader:
         sys.exit(jpaged.follow())
     print(json.dumps({"steps": decode_steps(args.model, sizes, args.steps), "broadcast_us": broadcasts}))
 

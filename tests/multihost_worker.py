@@ -13,13 +13,11 @@ import json
 import sys
 
 import jpaged
-from jpaged.runner.multihost import distributed_requested, process_id
+from jpaged.runner.multihost import distributed_requested
 
 if __name__ == "__main__":
-    if distributed_requested():
-        jpaged.initialize_distributed()
-        if process_id() != 0:
-            sys.exit(jpaged.follow())
+    if distributed_requested() and jpaged.initialize_distributed() != 0:
+        sys.exit(jpaged.follow())
     from tensor_parallel_worker import engine_features, run
 
     model, tp = sys.argv[1], int(sys.argv[2])

@@ -59,8 +59,7 @@ def _join_processes(args: argparse.Namespace) -> bool:
 
     if not (args.distributed or multihost.distributed_requested()):
         return False
-    multihost.initialize_distributed()
-    return multihost.process_id() != 0
+    return multihost.initialize_distributed() != 0
 
 
 def _follow(config: EngineConfig) -> int:

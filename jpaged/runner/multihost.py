@@ -26,7 +26,8 @@ from jax._src import distributed  # the coordination store's client, as orbax-ch
 logger = logging.getLogger(__name__)
 
 CONTROL_KEY = "jpaged/control"  # where process 0 publishes its control port and key
-CONNECT_TIMEOUT_MS = 3_600_000  # a follower waits this long for process 0 (which loads the model first)
+CONTROL_PORT_VARIABLE = "JPAGED_CONTROL_PORT"  # process 0's control port (default: any free one)
+CONNECT_TIMEOUT_MS = 3_600_000  # a follower waits this long for process 0 to start its first engine
 
 
 def distributed_requested() -> bool:
@@ -34,13 +35,13 @@ def distributed_requested() -> bool:
     return "JAX_COORDINATOR_ADDRESS" in os.environ
 
 
-def initialize_distributed() -> None:
+def initialize_distributed() -> int:
     """Join the process group: `jax.distributed.initialize` with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     JAX_PROCESS_ID where they are set, else what JAX detects from the cluster (SLURM, Open MPI, Cloud TPU,
     Kubernetes). CPU processes run their collectives over gloo. Must come before anything starts JAX's
-    backends."""
+    backends. Returns this process's id (process_id)."""
     if jax.distributed.is_initialized():
-        return
+        return process_id()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     numbers = {}
     for name, key in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
@@ -50,6 +51,7 @@ def initialize_distributed() -> None:
             except ValueError:
                 raise ValueError(f"{key} must be an integer, got {os.environ[key]!r}") from None
     jax.distributed.initialize(**numbers)
+    return process_id()
 
 
 def process_id() -> int:
@@ -66,7 +68,7 @@ class Followers:
 
     def __init__(self) -> None:
         key = secrets.token_bytes(32)
-        listener = Listener(("", 0), authkey=key)
+        listener = Listener(("", int(os.environ.get(CONTROL_PORT_VARIABLE, "0"))), authkey=key)
         port = listener.address[1]
         distributed.global_state.client.key_value_set(CONTROL_KEY, f"{port}:{key.hex()}")
         logger.info("waiting for %d follower processes on port %d", jax.process_count() - 1, port)
