@@ -73,6 +73,32 @@ def test_sharded_safetensors_load_like_a_single_file(tiny_model_dir, tmp_path, d
     )
 
 
+@pytest.mark.parametrize("family", ["qwen2_bias", "qwen3_qk_norm", "default"])
+def test_lazy_weights_read_what_the_whole_arrays_hold_at_any_part(family, tiny_model_dir, default_gguf):
+    """A lazy weight (tensor parallelism's loading) has its leaf's shape and dtype, and any part of it (slices,
+    the last axis also as gathered columns in any order, which is how a shard takes its fused columns) is that
+    part of the eagerly loaded array: from HF safetensors and from the GGUF conversion cache."""
+    model = str(default_gguf if family == "default" else tiny_model_dir(family))
+    eager = load_model(model, progress=False).params  # also fills the GGUF conversion cache
+    lazy = load_model(model, progress=False, lazy=True).params
+    rng = np.random.default_rng(0)
+    for (path, whole), weight in zip(
+        jax.tree_util.tree_leaves_with_path(eager), jax.tree_util.tree_leaves(lazy), strict=True
+    ):
+        name = jax.tree_util.keystr(path)
+        assert (weight.shape, weight.dtype, weight.nbytes) == (whole.shape, whole.dtype, whole.nbytes), name
+        np.testing.assert_array_equal(np.asarray(weight), whole, err_msg=name)
+        for _ in range(3):
+            lows = [int(rng.integers(size)) for size in whole.shape[:-1]]
+            lead = tuple(
+                slice(lo, int(rng.integers(lo + 1, size + 1)))
+                for lo, size in zip(lows, whole.shape[:-1], strict=True)
+            )
+            columns = rng.choice(whole.shape[-1], size=1 + int(rng.integers(whole.shape[-1])), replace=False)
+            index = (*lead, columns)
+            np.testing.assert_array_equal(weight[index], whole[index], err_msg=name)
+
+
 def test_orbax_checkpoint_round_trip(tiny_model_dir, tmp_path):
     source = load_model(str(tiny_model_dir("qwen3_qk_norm")), progress=False)
     save_checkpoint(tmp_path / "ckpt", source.config, source.params, source.tokenizer)

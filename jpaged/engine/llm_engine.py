@@ -51,7 +51,9 @@ class LLMEngine:
     ):
         config, dtype = for_this_platform(config or EngineConfig(**engine_args))
         self.config = config
-        self.model = model or load_model_everywhere(config.model, dtype)
+        # Tensor parallelism reads each device's part of each weight from the files (lazy_weights.py).
+        lazy = config.tensor_parallel_size > 1
+        self.model = model or load_model_everywhere(config.model, dtype, lazy=lazy)
         self.model_config = mc = self.model.config
         source = self.model.source
         given_as = "the params given" if source.kind == "params" else f"the weights loaded from {source.path}"

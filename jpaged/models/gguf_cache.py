@@ -18,10 +18,12 @@ from pathlib import Path
 
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from jpaged.models.config import ModelConfig
+from jpaged.models.lazy_weights import StoredWeight
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +42,27 @@ def converted_dir(gguf_path: Path) -> Path:
     return cache_root() / "gguf" / hashlib.sha256(identity.encode()).hexdigest()[:24]
 
 
-def load_converted(gguf_path: Path, dtype) -> tuple[ModelConfig, dict, PreTrainedTokenizerBase] | None:
-    """The cached conversion of `gguf_path` (params cast to `dtype`), or None when there is none yet."""
+def load_converted(
+    gguf_path: Path, dtype, *, lazy: bool = False
+) -> tuple[ModelConfig, dict, PreTrainedTokenizerBase] | None:
+    """The cached conversion of `gguf_path` (params cast to `dtype`; lazy: read where indexed, see
+    lazy_weights.py), or None when there is none yet."""
     directory = converted_dir(gguf_path)
     if not (directory / _PARAMS_FILE).exists():
         return None
     config = ModelConfig.from_json_dict(json.loads((directory / _CONFIG_FILE).read_text()))
-    flat = load_file(directory / _PARAMS_FILE)
-    params = unflatten_dict({name: array.astype(dtype, copy=False) for name, array in flat.items()}, sep="/")
+    if lazy:
+        file = safe_open(directory / _PARAMS_FILE, framework="numpy")
+        flat = {}
+        for name in file.keys():  # noqa: SIM118 (a safetensors file, not a dict)
+            tensor = file.get_slice(name)
+            flat[name] = StoredWeight(tensor, tuple(tensor.get_shape()), np.dtype(dtype))
+    else:
+        flat = {
+            name: array.astype(dtype, copy=False)
+            for name, array in load_file(directory / _PARAMS_FILE).items()
+        }
+    params = unflatten_dict(flat, sep="/")
     return config, params, PreTrainedTokenizerFast.from_pretrained(str(directory))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax.traverse_util import unflatten_dict
 from transformers import PreTrainedTokenizerBase
 
 from jpaged.models.checkpoint import ORBAX_MARKER, restore_checkpoint
@@ -21,8 +22,9 @@ from jpaged.models.config import ModelConfig
 from jpaged.models.default_model import default_model_path
 from jpaged.models.gguf_cache import load_converted, store_converted
 from jpaged.models.gguf_metadata import gguf_model_config, gguf_tokenizer, read_gguf_fields
-from jpaged.models.params import param_stats, params_from_hf_names
-from jpaged.models.weights import gguf_reader, read_hf_config, safetensors_reader
+from jpaged.models.lazy_weights import FusedWeight
+from jpaged.models.params import hf_recipes, param_stats, params_from_hf_names
+from jpaged.models.weights import gguf_reader, read_hf_config, safetensors_reader, safetensors_slicer
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +83,13 @@ def _download(repo_id: str) -> Path:
     return Path(local)
 
 
-def load_model(model: str | None = None, dtype=np.float32, *, progress: bool = True) -> LoadedModel:
-    """Load config, params and tokenizer from any supported source; logs time, parameter count and bytes."""
+def load_model(
+    model: str | None = None, dtype=np.float32, *, progress: bool = True, lazy: bool = False
+) -> LoadedModel:
+    """Load config, params and tokenizer from any supported source; logs time, parameter count and bytes.
+
+    `lazy` (for tensor parallelism): HF safetensors and the GGUF conversion cache give lazy weights, read only
+    where indexed (lazy_weights.py); orbax checkpoints and a GGUF's first conversion are read whole."""
     start = time.perf_counter()
     source = resolve_model(model)
     if source.kind == "orbax":
@@ -90,10 +97,18 @@ def load_model(model: str | None = None, dtype=np.float32, *, progress: bool = T
         tokenizer = load_tokenizer(source.path)
     elif source.kind == "hf":
         config = read_hf_config(source.path)
-        params = params_from_hf_names(config, safetensors_reader(source.path), dtype, progress=progress)
+        if lazy:
+            slicer = safetensors_slicer(source.path)
+            recipes = hf_recipes(config).items()
+            flat = {
+                path: FusedWeight.of(recipe, slicer, config.num_layers, dtype) for path, recipe in recipes
+            }
+            params = unflatten_dict(flat, sep="/")
+        else:
+            params = params_from_hf_names(config, safetensors_reader(source.path), dtype, progress=progress)
         tokenizer = load_tokenizer(source.path)
     else:
-        converted = load_converted(source.path, dtype)
+        converted = load_converted(source.path, dtype, lazy=lazy)
         if converted is None:
             fields = read_gguf_fields(source.path)
             config = gguf_model_config(fields)

@@ -6,6 +6,7 @@ Every loader (HF safetensors, GGUF, hub) ends here, so the pytree is the same wh
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -17,40 +18,58 @@ from jpaged.models.config import ModelConfig
 GetTensor = Callable[[str], np.ndarray]  # transformers name -> array in transformers' [out, in] layout
 
 
+@dataclass(frozen=True)
+class LeafRecipe:
+    """How one leaf of the state dict comes from transformers tensors: `names` joined along the last axis (in a
+    layer's names, "{i}" is the layer), linear weights transposed from transformers' [out, in], and a per-layer
+    leaf stacked over the layers on a new first axis."""
+
+    names: tuple[str, ...]
+    transposed: bool = False
+    per_layer: bool = True
+
+
+def hf_recipes(config: ModelConfig) -> dict[str, LeafRecipe]:
+    """Every leaf of the state dict (by its "/"-joined path) and the transformers tensors it is made of."""
+    layer = "model.layers.{i}."
+    attn, mlp = layer + "self_attn.", layer + "mlp."
+    recipes = {
+        "embed/weight": LeafRecipe(("model.embed_tokens.weight",), per_layer=False),
+        "final_norm/weight": LeafRecipe(("model.norm.weight",), per_layer=False),
+        "layers/attn_norm/weight": LeafRecipe((layer + "input_layernorm.weight",)),
+        "layers/mlp_norm/weight": LeafRecipe((layer + "post_attention_layernorm.weight",)),
+        "layers/attn/qkv": LeafRecipe(tuple(attn + f"{n}_proj.weight" for n in "qkv"), transposed=True),
+        "layers/attn/o": LeafRecipe((attn + "o_proj.weight",), transposed=True),
+        "layers/mlp/gate_up": LeafRecipe((mlp + "gate_proj.weight", mlp + "up_proj.weight"), transposed=True),
+        "layers/mlp/down": LeafRecipe((mlp + "down_proj.weight",), transposed=True),
+    }
+    if config.attention_bias:
+        recipes["layers/attn/qkv_bias"] = LeafRecipe(tuple(attn + f"{n}_proj.bias" for n in "qkv"))
+    if config.qk_norm:
+        recipes["layers/attn/q_norm/weight"] = LeafRecipe((attn + "q_norm.weight",))
+        recipes["layers/attn/k_norm/weight"] = LeafRecipe((attn + "k_norm.weight",))
+    if not config.tie_word_embeddings:
+        recipes["lm_head"] = LeafRecipe(("lm_head.weight",), transposed=True, per_layer=False)
+    return recipes
+
+
 def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress: bool = True) -> dict:
     """The CausalLM state dict (numpy, `dtype`) from tensors named as in transformers' Llama/Qwen modules."""
+    recipes = hf_recipes(config)
 
-    def linear(name: str) -> np.ndarray:  # [out, in] -> [in, out]
-        return get(name).T
+    def read(recipe: LeafRecipe, layer: int | None) -> np.ndarray:
+        parts = [get(name.format(i=layer)) for name in recipe.names]
+        parts = [part.T for part in parts] if recipe.transposed else parts
+        return np.asarray(np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0], dtype=dtype)
 
+    flat = {path: read(recipe, None) for path, recipe in recipes.items() if not recipe.per_layer}
     per_layer: dict[str, list[np.ndarray]] = {}
-
-    def add(path: str, value: np.ndarray) -> None:
-        per_layer.setdefault(path, []).append(np.asarray(value, dtype=dtype))
-
     for i in tqdm(range(config.num_layers), desc="loading layers", disable=not progress, leave=False):
-        p = f"model.layers.{i}."
-        add("attn_norm/weight", get(p + "input_layernorm.weight"))
-        add("mlp_norm/weight", get(p + "post_attention_layernorm.weight"))
-        add("attn/qkv", np.concatenate([linear(p + f"self_attn.{n}_proj.weight") for n in "qkv"], axis=1))
-        if config.attention_bias:
-            add("attn/qkv_bias", np.concatenate([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-        if config.qk_norm:
-            add("attn/q_norm/weight", get(p + "self_attn.q_norm.weight"))
-            add("attn/k_norm/weight", get(p + "self_attn.k_norm.weight"))
-        add("attn/o", linear(p + "self_attn.o_proj.weight"))
-        gate_up = [linear(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-        add("mlp/gate_up", np.concatenate(gate_up, axis=1))
-        add("mlp/down", linear(p + "mlp.down_proj.weight"))
-
-    params = {
-        "embed": {"weight": np.asarray(get("model.embed_tokens.weight"), dtype=dtype)},
-        "final_norm": {"weight": np.asarray(get("model.norm.weight"), dtype=dtype)},
-        "layers": unflatten_dict({path: np.stack(v) for path, v in per_layer.items()}, sep="/"),
-    }
-    if not config.tie_word_embeddings:
-        params["lm_head"] = np.asarray(linear("lm_head.weight"), dtype=dtype)
-    return params
+        for path, recipe in recipes.items():
+            if recipe.per_layer:
+                per_layer.setdefault(path, []).append(read(recipe, i))
+    flat.update({path: np.stack(stack) for path, stack in per_layer.items()})
+    return unflatten_dict(flat, sep="/")
 
 
 def param_stats(params: dict) -> tuple[int, int]:

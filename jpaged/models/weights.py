@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -46,24 +48,36 @@ def read_hf_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf_config(hf)
 
 
-def safetensors_reader(model_dir: Path) -> GetTensor:
-    """Lazy name -> array lookup over every `*.safetensors` shard of a directory (sharded index or not)."""
+def _safetensors_files(model_dir: Path) -> Callable[[str], Any]:
+    """name -> the open (memory-mapped) safetensors file holding it, over every `*.safetensors` shard of a
+    directory (sharded index or not)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_dir}")
-    handles = [safe_open(str(f), framework="numpy") for f in files]
     where = {}
-    for handle in handles:
+    for handle in (safe_open(str(f), framework="numpy") for f in files):
         where.update(dict.fromkeys(handle.keys(), handle))
 
-    def get(name: str) -> np.ndarray:
+    def file_of(name: str):
         if name not in where:
             raise ValueError(f"weight {name!r} missing from {model_dir}")
-        return where[name].get_tensor(name)
+        return where[name]
 
-    return get
+    return file_of
+
+
+def safetensors_reader(model_dir: Path) -> GetTensor:
+    """name -> the whole array."""
+    file_of = _safetensors_files(model_dir)
+    return lambda name: file_of(name).get_tensor(name)
+
+
+def safetensors_slicer(model_dir: Path) -> Callable[[str], Any]:
+    """name -> the tensor's slice handle: indexing it reads just that part."""
+    file_of = _safetensors_files(model_dir)
+    return lambda name: file_of(name).get_slice(name)
 
 
 def gguf_reader(path: Path, config: ModelConfig) -> GetTensor:

@@ -98,11 +98,11 @@ class LeaderRunner:
         )
 
 
-def load_model_everywhere(model: str | None, dtype) -> LoadedModel:
+def load_model_everywhere(model: str | None, dtype, *, lazy: bool) -> LoadedModel:
     """`load_model`, with every follower loading the same model (from the same path on its host) meanwhile."""
     if jax.process_count() > 1 and jax.process_index() == 0:
-        _channel().send((None, "load", (model, str(jnp.dtype(dtype)))))
-    return load_model(model, dtype)
+        _channel().send((None, "load", (model, str(jnp.dtype(dtype)), lazy)))
+    return load_model(model, dtype, lazy=lazy)
 
 
 def start_runner(
@@ -170,8 +170,8 @@ def follow(gpu_memory_utilization: float = 0.9) -> int:
         if action == "stop":
             return 0
         if action == "load":
-            model, dtype = args
-            loaded = load_model(model, jnp.dtype(dtype), progress=False)
+            model, dtype, lazy = args
+            loaded = load_model(model, jnp.dtype(dtype), progress=False, lazy=lazy)
         elif action == "start":
             runners[engine_id], loaded = _follower_runner(*args, loaded), None
         elif action == "close":

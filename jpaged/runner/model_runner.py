@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
 from jpaged.models.fused_columns import replicate_kv_heads
+from jpaged.models.lazy_weights import LazyWeight
 from jpaged.models.llama import KVCache, StackedProducts, init_kv_cache, model_graphdef, params_dtype
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
@@ -290,11 +291,14 @@ class ModelRunner:
             self.params = self._place(params)
 
     def _place(self, params: dict) -> dict:
-        """The loaders' params on the device in the step's layout. Sharded host arrays go to each device as its
-        own part (tensor_parallel.place_sharded); device arrays (a trainer's) are laid out where they are."""
-        if self.mesh is None or not all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(params)):
-            return self._on_device(self._device_layout(params))
-        return place_sharded(params, self._shardings, self._fused_columns(params))
+        """The loaders' params on the device in the step's layout. Sharded, host arrays and lazy weights go to
+        each device as its own part (tensor_parallel.place_sharded: a lazy weight reads just that part from its
+        file); device arrays (a trainer's) are laid out where they are."""
+        on_host = not any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(params))
+        if self.mesh is not None and on_host:
+            return place_sharded(params, self._shardings, self._fused_columns(params))
+        read = jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, LazyWeight) else x, params)
+        return self._on_device(self._device_layout(read))
 
     def _fused_columns(self, params: dict) -> dict[str, np.ndarray]:
         """For each fused leaf (by key path), the loaders' column each of its step-layout columns comes from:
