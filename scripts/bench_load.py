@@ -5,7 +5,10 @@ the peak of its anonymous memory alone (RssAnon, sampled every 5 ms while loadin
 also counts the pages of memory-mapped files read, which the kernel may drop at any time.
 
 Sources: the embedded SmolLM2 GGUF (dequantised through the conversion cache, as every start after the first
-reads it) and an orbax checkpoint of it (`jpaged convert`, written to --orbax-dir first if missing).
+reads it) and an orbax checkpoint of it (`jpaged convert`, written to --orbax-dir first if missing). Then the
+weights loaded and placed on 3 simulated CPU devices at tensor_parallel_size 3, read whole first (eager) or each
+device's part from the cache file (lazy, as tensor parallelism loads): the devices' buffers are this process's
+memory too, so placing costs 1x the weights either way, and what eager loading adds on top is the host's copy.
 
   python scripts/bench_load.py
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +42,14 @@ def sample():
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 sampler = threading.Thread(target=sample)
 sampler.start()
-model = load_model(sys.argv[1] if sys.argv[1] != "default" else None, progress=False)
+source, mode = (None if sys.argv[1] == "default" else sys.argv[1]), sys.argv[2]
+model = load_model(source, progress=False, lazy=mode == "lazy")
+if mode != "load":
+    from jpaged.config import EngineConfig
+    from jpaged.runner.model_runner import ModelRunner
+
+    config = EngineConfig(tensor_parallel_size=3, max_num_seqs=4, max_num_batched_tokens=16).for_platform("cpu")
+    runner = ModelRunner(config, model.config, model.params, num_blocks=2, max_model_len=64)
 done.set()
 sampler.join()
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -48,9 +59,15 @@ print(json.dumps({**figures, "weights_mib": weights / 2**20}))
 """
 
 
-def measure(source: str) -> dict:
+def measure(source: str, mode: str = "load") -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
     result = subprocess.run(
-        [sys.executable, "-c", MEASURE, source], capture_output=True, text=True, cwd=ROOT, check=True
+        [sys.executable, "-c", MEASURE, source, mode],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+        env=env,
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -79,8 +96,14 @@ def main() -> None:
         "| source | weights MiB | peak RSS MiB while loading | / weights | peak anonymous MiB | / weights |"
     )
     print("|---|---|---|---|---|---|")
-    for name, source in (("GGUF (conversion cache)", "default"), ("orbax checkpoint", args.orbax_dir)):
-        figures = measure(source)
+    runs = (
+        ("GGUF (conversion cache)", "default", "load"),
+        ("orbax checkpoint", args.orbax_dir, "load"),
+        ("GGUF cache, placed at tp 3, read whole", "default", "eager"),
+        ("GGUF cache, placed at tp 3, each device's part read", "default", "lazy"),
+    )
+    for name, source, mode in runs:
+        figures = measure(source, mode)
         weights, rss, anon = figures["weights_mib"], figures["peak_mib"], figures["anon_mib"]
         print(
             f"| {name} | {weights:.0f} | {rss:.0f} | {rss / weights:.2f} | {anon:.0f} | {anon / weights:.2f} |"
