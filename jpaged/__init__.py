@@ -20,7 +20,7 @@ _EXPORTS = {
     "CompletionOutput": "jpaged.outputs",
     "Logprob": "jpaged.outputs",
     "initialize_distributed": "jpaged.runner.multihost",
-    "follow": "jpaged.runner.leader_runner",
+    "follow": "jpaged.engine.follower",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

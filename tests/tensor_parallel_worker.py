@@ -29,7 +29,7 @@ def per_device_bytes(array) -> list[int]:
 def placed_as_laid_out(runner, model: str | None) -> bool:
     """Each device's part of every weight, cut from the host arrays when the engine placed them, is that part of
     the whole weight in the step's layout."""
-    whole = jax.device_get(runner._device_layout(load_model(model, progress=False).params))
+    whole = jax.device_get(runner.weights.layout(load_model(model, progress=False).params))
     placed = jax.tree_util.tree_leaves(runner.params)
     return all(
         np.array_equal(shard.data, expected[shard.index])

@@ -63,7 +63,7 @@ def _join_processes(args: argparse.Namespace) -> bool:
 
 
 def _follow(config: EngineConfig) -> int:
-    from jpaged.runner.leader_runner import follow
+    from jpaged.engine.follower import follow
 
     return follow(config.gpu_memory_utilization)
 

@@ -2,7 +2,7 @@
 runs it, and each follower's loop (`follow`) runs the same action on the same inputs, so every process launches
 the same programs in the same order, as multi-controller JAX requires (see multihost.py).
 
-Messages are (engine id, action, arguments): process 0 may hold several engines in turn (or at once), and each
+The followers' side is engine/follower.py. Messages are (engine id, action, arguments): process 0 may hold several engines in turn (or at once), and each
 follower holds a runner for each. "load" loads the next engine's model (every process together: orbax's restore
 waits for all of them), "start" builds its runner, "close" (when process 0's engine is garbage-collected) drops
 it, and "stop" (at process 0's exit) ends the follower.
@@ -21,13 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.config import EngineConfig
-from jpaged.core.kv_cache_sizing import configure_accelerator_allocator
 from jpaged.models.config import ModelConfig
-from jpaged.models.llama import abstract_params, params_dtype
+from jpaged.models.llama import params_dtype
 from jpaged.models.loader import LoadedModel, load_model
-from jpaged.models.params import check_same_leaves
 from jpaged.runner.model_runner import ModelRunner
-from jpaged.runner.multihost import Followers, connect_to_leader, receive
+from jpaged.runner.multihost import Followers
 
 logger = logging.getLogger(__name__)
 
@@ -149,49 +147,3 @@ def _channel() -> Followers:
     channel = Followers()
     atexit.register(channel.close, (None, "stop", ()))
     return channel
-
-
-def follow(gpu_memory_utilization: float = 0.9) -> int:
-    """A follower process's whole life: start the backend (every process starts theirs together: they exchange
-    their devices), connect to process 0, then run what it sends (build a runner, run a device action on one)
-    until it says stop (returns 0) or goes away (returns 1)."""
-    configure_accelerator_allocator(gpu_memory_utilization)
-    jax.devices()
-    connection = connect_to_leader()
-    logger.info("following process 0 (process %d of %d)", jax.process_index(), jax.process_count())
-    runners: dict[int, ModelRunner] = {}
-    loaded: LoadedModel | None = None  # the next engine's model
-    while True:
-        try:
-            engine_id, action, args = receive(connection)
-        except (EOFError, OSError):
-            logger.error("process 0 went away: this follower stops")
-            return 1
-        if action == "stop":
-            return 0
-        if action == "load":
-            model, dtype, lazy = args
-            loaded = load_model(model, jnp.dtype(dtype), progress=False, lazy=lazy)
-        elif action == "start":
-            runners[engine_id], loaded = _follower_runner(*args, loaded), None
-        elif action == "close":
-            del runners[engine_id]
-        else:
-            getattr(runners[engine_id], action)(*args)
-
-
-def _follower_runner(start: FollowerStart, model: LoadedModel) -> ModelRunner:
-    """The runner process 0 described, on the weights this process loaded."""
-    check_same_leaves(
-        abstract_params(start.model_config, jnp.dtype(start.dtype)),
-        model.params,
-        f"the weights this process loaded from {model.source.path}",
-    )
-    return ModelRunner(
-        start.config,
-        start.model_config,
-        model.params,
-        start.num_blocks,
-        start.max_model_len,
-        start.num_swap_blocks,
-    )

@@ -21,8 +21,6 @@ from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
-from jpaged.models.fused_columns import replicate_kv_heads
-from jpaged.models.lazy_weights import LazyWeight
 from jpaged.models.llama import KVCache, StackedProducts, init_kv_cache, model_graphdef, params_dtype
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
@@ -44,12 +42,12 @@ from jpaged.runner.tensor_parallel import (
     kv_head_copies,
     kv_sharding,
     param_shardings,
-    place_sharded,
     shard_attention,
     tensor_parallel_config,
     tensor_parallel_mesh,
 )
 from jpaged.runner.weight_layout import choose_products
+from jpaged.runner.weight_placement import WeightPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +68,18 @@ class ModelRunner:
     ) -> None:
         self.config = config
         tp = config.tensor_parallel_size
-        self._kv_copies = kv_head_copies(tp, model_config)
-        self._loaded_config = model_config  # the weights' shapes as loaded; model_config is the one run
+        loaded_config = model_config  # the weights' shapes as loaded; model_config is the one run
         self.model_config = model_config = tensor_parallel_config(tp, model_config)
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
         self.dtype = params_dtype(params)
-        self.mesh = tensor_parallel_mesh(tp, self._loaded_config) if tp > 1 else None
+        self.mesh = tensor_parallel_mesh(tp, loaded_config) if tp > 1 else None
         # Tensor parallelism keeps XLA's dots (the CPU matmul kernel sees whole matrices) on fused columns
         # grouped per shard.
         self.products = products = StackedProducts(model_config, tp) if self.mesh else choose_products(params)
-        self._shardings = param_shardings(self.mesh, model_config) if self.mesh else None
-        self.params = self._place(params)
+        shardings = param_shardings(self.mesh, model_config) if self.mesh else None
+        self.weights = WeightPlacement(products, loaded_config, kv_head_copies(tp, loaded_config), shardings)
+        self.params = self.weights.place(params)
         self._host_params = None  # the weights while asleep (sleep level 1)
         self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)
         self.attention_impl = resolve_attention_impl(
@@ -286,47 +284,9 @@ class ModelRunner:
         """Run on these weights from the next step (the loaders' layout; the engine checks that they match the
         compiled steps' inputs leaf for leaf, so nothing recompiles). Asleep, they wait in host memory."""
         if self.asleep:
-            self._host_params = jax.device_get(self._device_layout(params))
+            self._host_params = jax.device_get(self.weights.layout(params))
         else:
-            self.params = self._place(params)
-
-    def _place(self, params: dict) -> dict:
-        """The loaders' params on the device in the step's layout. Sharded, host arrays and lazy weights go to
-        each device as its own part (tensor_parallel.place_sharded: a lazy weight reads just that part from its
-        file); device arrays (a trainer's) are laid out where they are."""
-        on_host = not any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(params))
-        if self.mesh is not None and on_host:
-            return place_sharded(params, self._shardings, self._fused_columns(params))
-        read = jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, LazyWeight) else x, params)
-        return self._on_device(self._device_layout(read))
-
-    def _fused_columns(self, params: dict) -> dict[str, np.ndarray]:
-        """For each fused leaf (by key path), the loaders' column each of its step-layout columns comes from:
-        the device layout applied to the columns' indices."""
-        attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
-        indices = {
-            "layers": {
-                "attn": {"qkv": np.arange(attn["qkv"].shape[-1])},
-                "mlp": {"gate_up": np.arange(mlp["gate_up"].shape[-1])},
-            }
-        }
-        laid_out = self._device_layout(indices)["layers"]
-        qkv, gate_up = np.asarray(laid_out["attn"]["qkv"]), np.asarray(laid_out["mlp"]["gate_up"])
-        columns = {"['layers']['attn']['qkv']": qkv, "['layers']['mlp']['gate_up']": gate_up}
-        if "qkv_bias" in attn:
-            columns["['layers']['attn']['qkv_bias']"] = qkv  # the bias's columns are the matrix's
-        return columns
-
-    def _device_layout(self, params: dict) -> dict:
-        """The loaders' params as the step takes them: KV heads repeated for more devices than KV heads, then
-        the weight layout."""
-        if self._kv_copies > 1:
-            params = replicate_kv_heads(params, self._loaded_config, self._kv_copies)
-        return self.products.layout(params)
-
-    def _on_device(self, weights: dict) -> dict:
-        """The weights on the device, or sharded over the mesh."""
-        return jax.device_put(weights, self._shardings)
+            self.params = self.weights.place(params)
 
     @property
     def asleep(self) -> bool:
@@ -350,7 +310,7 @@ class ModelRunner:
         """The pool and the weights back on the device, in the shapes the compiled steps take."""
         if self._host_params is None:
             raise ValueError("the weights were dropped by sleep(level=2): call update_weights before wake_up")
-        self.params = self._on_device(self._host_params)
+        self.params = self.weights.to_device(self._host_params)
         self._host_params = None
         self.kv_cache = self._allocate_kv_cache()
 

@@ -1,0 +1,61 @@
+"""How the loaders' weights become the step's weights on the devices: each KV head repeated for more devices than
+KV heads, the matrix products' layout (the CPU kernel's panels, or fused columns grouped per shard), and the
+placement, which under tensor parallelism gives each device only its own part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jpaged.models.config import ModelConfig
+from jpaged.models.fused_columns import replicate_kv_heads
+from jpaged.models.lazy_weights import LazyWeight
+from jpaged.models.llama import MatrixProducts
+from jpaged.runner.tensor_parallel import place_sharded
+
+
+@dataclass(frozen=True)
+class WeightPlacement:
+    products: MatrixProducts
+    loaded_config: ModelConfig  # the weights' shapes as loaded
+    kv_copies: int  # see tensor_parallel.kv_head_copies
+    shardings: dict | None  # each weight's NamedSharding over the mesh; None on one device
+
+    def layout(self, params: dict) -> dict:
+        """The loaders' params as the step takes them."""
+        if self.kv_copies > 1:
+            params = replicate_kv_heads(params, self.loaded_config, self.kv_copies)
+        return self.products.layout(params)
+
+    def to_device(self, weights: dict) -> dict:
+        """Weights already in the step's layout on the device, or sharded over the mesh."""
+        return jax.device_put(weights, self.shardings)
+
+    def place(self, params: dict) -> dict:
+        """The loaders' params on the device in the step's layout. Sharded, host arrays and lazy weights go to
+        each device as its own part (tensor_parallel.place_sharded: a lazy weight reads just that part from its
+        file); device arrays (a trainer's) are laid out where they are."""
+        on_host = not any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(params))
+        if self.shardings is not None and on_host:
+            return place_sharded(params, self.shardings, self._fused_columns(params))
+        read = jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, LazyWeight) else x, params)
+        return self.to_device(self.layout(read))
+
+    def _fused_columns(self, params: dict) -> dict[str, np.ndarray]:
+        """For each fused leaf (by key path), the loaders' column each of its step-layout columns comes from:
+        the layout applied to the columns' indices."""
+        attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
+        indices = {
+            "layers": {
+                "attn": {"qkv": np.arange(attn["qkv"].shape[-1])},
+                "mlp": {"gate_up": np.arange(mlp["gate_up"].shape[-1])},
+            }
+        }
+        laid_out = self.layout(indices)["layers"]
+        qkv, gate_up = np.asarray(laid_out["attn"]["qkv"]), np.asarray(laid_out["mlp"]["gate_up"])
+        columns = {"['layers']['attn']['qkv']": qkv, "['layers']['mlp']['gate_up']": gate_up}
+        if "qkv_bias" in attn:
+            columns["['layers']['attn']['qkv_bias']"] = qkv  # the bias's columns are the matrix's
+        return columns
