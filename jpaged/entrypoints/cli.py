@@ -11,6 +11,7 @@ import typing
 
 from jpaged_server.cli import add_server_args
 
+from jpaged.benchmarks.bench_serve import add_bench_serve_args
 from jpaged.config import EngineConfig
 
 # Flags whose vLLM spelling differs from the field name, or that need a unit in their help.
@@ -106,6 +107,12 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args, config)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from jpaged.benchmarks.bench_serve import run_bench_serve
+
+    return run_bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jpaged", description="PagedAttention LLM inference in JAX and Pallas"
@@ -129,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_distributed_arg(serve)
     serve.set_defaults(run=_serve)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="benchmark", required=True)
+    bench_serve = kinds.add_parser(
+        "serve", help="vllm bench serve's benchmark, against any OpenAI-compatible server"
+    )
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(run=_bench_serve)
 
     convert = commands.add_parser("convert", help="write an orbax checkpoint of a model for fast loading")
     convert.add_argument("source")

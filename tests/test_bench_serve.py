@@ -1,0 +1,82 @@
+"""`jpaged bench serve` against a live server: every request streamed and counted (the server's usage gives the
+token counts), vllm bench serve's table printed and its figures saved as JSON; requests the server refuses count
+as failed; arrivals are a Poisson process scaled to the rate, or all at once."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from jpaged_server.api_server import build_app
+from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
+
+from jpaged.benchmarks.serve_client import arrival_times
+from jpaged.config import EngineConfig
+from jpaged.entrypoints.cli import main
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    engine = shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
+    with serve_in_thread(build_app(engine, MODEL)) as running:
+        yield running
+
+
+def bench(server, tmp_path, *flags: str) -> tuple[int, dict]:
+    result = tmp_path / "result.json"
+    argv = ["bench", "serve", "--base-url", server.base_url, "--model", MODEL, "--disable-tqdm"]
+    argv += ["--save-result", "--result-filename", str(result), *flags]
+    code = main(argv)
+    return code, json.loads(result.read_text())
+
+
+def test_every_request_is_streamed_timed_and_counted(server, tmp_path, capsys):
+    code, saved = bench(
+        server, tmp_path, "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "5",
+        "--ignore-eos", "--max-concurrency", "3", "--metric-percentiles", "50,99", "--goodput", "ttft:600000",
+    )  # fmt: skip
+    assert code == 0
+    assert (saved["completed"], saved["failed"]) == (6, 0)
+    assert (saved["total_input_tokens"], saved["total_output_tokens"]) == (96, 30)
+    assert saved["request_goodput"] == pytest.approx(saved["request_throughput"])  # a 10-minute TTFT SLO
+    assert saved["output_throughput"] == pytest.approx(30 / saved["duration_s"])
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < saved[name]["median"] <= saved[name]["percentiles"]["99.0"]
+    assert saved["ttft"]["mean"] < saved["e2el"]["mean"]
+    table = capsys.readouterr().out
+    assert re.search(r"^Successful requests: +6 *$", table, re.M) and re.search(
+        r"^P99 TPOT \(ms\): +\d", table, re.M
+    )
+
+
+def test_requests_the_server_refuses_count_as_failed(server, tmp_path):
+    # 300 prompt tokens do not fit the server's max_model_len of 256: every request gets a 400.
+    code, saved = bench(server, tmp_path, "--num-prompts", "2", "--random-input-len", "300")
+    assert code == 1
+    assert (saved["completed"], saved["failed"]) == (0, 2)
+
+
+def test_arrivals_are_poisson_scaled_to_the_rate_or_all_at_once():
+    times = arrival_times(1000, 20.0, np.random.default_rng(0))
+    assert np.all(np.diff(times) >= 0) and times[-1] == pytest.approx(1000 / 20.0)
+    gaps = np.diff(times)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.1)  # exponential gaps: cv 1
+    assert not arrival_times(5, float("inf"), np.random.default_rng(0)).any()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-prompts", "0"], "num_prompts must be >= 1"),
+        (["--dataset", "/no/such/file.jsonl"], "neither 'random' nor a file"),
+        (["--goodput", "speed:3"], "'speed' is not one of"),
+        (["--percentile-metrics", "ttft,latency"], "latency"),
+    ],
+)
+def test_bad_flags_are_clear_errors(flags, message, capsys):
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags]) == 2
+    assert message in capsys.readouterr().err
