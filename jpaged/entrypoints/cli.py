@@ -12,6 +12,7 @@ import typing
 from jpaged_server.cli import add_server_args
 
 from jpaged.benchmarks.bench_serve import add_bench_serve_args
+from jpaged.benchmarks.plan_command import add_plan_args
 from jpaged.config import EngineConfig
 
 # Flags whose vLLM spelling differs from the field name, or that need a unit in their help.
@@ -113,6 +114,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return run_bench_serve(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from jpaged.benchmarks.plan_command import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jpaged", description="PagedAttention LLM inference in JAX and Pallas"
@@ -144,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(run=_bench_serve)
+
+    plan = commands.add_parser("plan", help="size a deployment from a sample of real traffic")
+    add_plan_args(plan)
+    plan.set_defaults(run=_plan)
 
     convert = commands.add_parser("convert", help="write an orbax checkpoint of a model for fast loading")
     convert.add_argument("source")

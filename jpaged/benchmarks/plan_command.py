@@ -1,0 +1,95 @@
+"""`jpaged plan`: the capacity plan (capacity_plan.py) for a model and a memory budget, from a sample of real
+traffic tokenised with the model's own tokenizer; tokens per character by script; the prefix-sharing doctor."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="model (default: the embedded SmolLM2)")
+    parser.add_argument("--traffic", required=True, help="JSONL of {prompt | messages, response}")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="the KV cache's dtype"
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    parser.add_argument("--device-memory", type=int, default=None, help="bytes of one accelerator")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--concurrency", type=int, default=16, help="for the preemption risk")
+    parser.add_argument("--chat-template", default=None)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from jpaged.benchmarks.capacity_plan import capacity_plan
+    from jpaged.benchmarks.prefix_doctor import diagnose
+    from jpaged.benchmarks.text_scripts import tokens_by_script
+    from jpaged.benchmarks.traffic import read_traffic
+    from jpaged.core.kv_cache_sizing import determine_num_blocks, kv_bytes_per_token
+    from jpaged.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
+    from jpaged.models.loader import load_model
+    from jpaged.models.params import param_stats
+    from jpaged.runner.tensor_parallel import check_tensor_parallel_size, tensor_parallel_config
+
+    if (args.kv_cache_memory is None) == (args.device_memory is None):
+        raise ValueError(
+            "give the memory as one of kv_cache_memory (bytes) or device_memory (bytes of one device)"
+        )
+    if args.concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {args.concurrency}")
+    model = load_model(args.model, progress=False, lazy=True)  # the weights stay on disk
+    mc, tp, dtype_bytes = model.config, args.tensor_parallel_size, DTYPE_BYTES[args.dtype]
+    check_tensor_parallel_size(tp, mc)
+    kv_heads = tensor_parallel_config(tp, mc).num_kv_heads // tp
+    bytes_per_token = kv_bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, dtype_bytes)
+    weight_bytes = param_stats(model.params)[0] * dtype_bytes // tp
+    num_blocks = determine_num_blocks(
+        block_size=args.block_size,
+        bytes_per_token=bytes_per_token,
+        kv_cache_memory=args.kv_cache_memory,
+        device_memory=args.device_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        weight_bytes=weight_bytes if args.device_memory else 0,
+    )
+    max_model_len = args.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    traffic = read_traffic(Path(args.traffic), model.tokenizer, template)
+    plan = capacity_plan(
+        [r.total_tokens for r in traffic],
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        bytes_per_token=bytes_per_token,
+        max_model_len=max_model_len,
+        concurrency=args.concurrency,
+    )
+    if args.device_memory:
+        budget = (
+            f"{args.device_memory:,} bytes x {args.gpu_memory_utilization} - {weight_bytes:,} bytes of weights per "
+            "device (less the step's activation peak, which `jpaged serve` measures at start)"
+        )
+    else:
+        budget = f"{args.kv_cache_memory:,} bytes"
+    print(
+        f"model {model.source.path} ({mc.architecture}), KV cache in {args.dtype}, tensor_parallel_size {tp}"
+    )
+    print(f"KV cache memory per device: {budget}; traffic {args.traffic}\n")
+    print("\n".join(plan.lines()))
+
+    def count(text: str) -> int:
+        return len(model.tokenizer.encode(text, add_special_tokens=False))
+
+    print("\ntokens per character by script (each run of one script tokenised alone):")
+    for label, (tokens, chars) in sorted(
+        tokens_by_script([t for r in traffic for t in r.texts], count).items()
+    ):
+        print(f"  {label:<10} {tokens:>8,} tokens / {chars:>8,} characters = {tokens / chars:.3f}")
+    finding = diagnose([r.prompt_ids for r in traffic], args.block_size)
+    print(
+        "\nprefix sharing: " + (finding.advice() if finding else "no varying head before a shared body found")
+    )
+    return 0
