@@ -53,6 +53,20 @@ def test_every_request_is_streamed_timed_and_counted(server, tmp_path, capsys):
     )
 
 
+def test_a_concurrency_sweep_runs_each_point_and_draws_the_dial(server, tmp_path, capsys):
+    plot = tmp_path / "dial.png"
+    code, saved = bench(
+        server, tmp_path, "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "4",
+        "--ignore-eos", "--sweep-concurrency", "1,4", "--plot", str(plot),
+    )  # fmt: skip
+    assert code == 0
+    assert [p["max_concurrency"] for p in saved["points"]] == [1, 4]
+    assert all(p["completed"] == 4 and p["total_output_tokens"] == 16 for p in saved["points"])
+    table = capsys.readouterr().out
+    assert re.search(r"^\| 1 \| [\d.]+ \| [\d.]+ \|", table, re.M) and re.search(r"^\| 4 \| ", table, re.M)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_requests_the_server_refuses_count_as_failed(server, tmp_path):
     # 300 prompt tokens do not fit the server's max_model_len of 256: every request gets a 400.
     code, saved = bench(server, tmp_path, "--num-prompts", "2", "--random-input-len", "300")

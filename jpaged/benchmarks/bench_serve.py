@@ -43,6 +43,12 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-result", action="store_true")
     parser.add_argument("--result-filename", default=None, help="default: bench-serve-<time>.json")
     parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument(
+        "--sweep-concurrency", default=None, help="e.g. 1,4,16,64: one run per max concurrency"
+    )
+    parser.add_argument(
+        "--plot", default=None, help="with --sweep-concurrency: the dial as a PNG (matplotlib)"
+    )
 
 
 def requests_from(args: argparse.Namespace) -> list[BenchRequest]:
@@ -116,6 +122,50 @@ def report(metrics: ServeMetrics, selected: list[str]) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(points: list[tuple[int, ServeMetrics]]) -> str:
+    """One row per concurrency: the throughput against the latencies it costs (the dial)."""
+    rows = [
+        "| max concurrency | req/s | output tok/s | median TTFT ms | p99 TTFT ms | median TPOT ms | p99 TPOT ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for concurrency, m in points:
+        p99 = max(m.ttft.percentiles)  # the highest percentile asked for (99 by default)
+        rows.append(
+            f"| {concurrency} | {m.request_throughput:.2f} | {m.output_throughput:.1f} | {m.ttft.median:.1f} | "
+            f"{m.ttft.percentiles[p99]:.1f} | {m.tpot.median:.1f} | {m.tpot.percentiles[p99]:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def plot_sweep(points: list[tuple[int, ServeMetrics]], path: Path) -> None:
+    """Output tokens/s against median and p99 TPOT and TTFT, each point labelled with its concurrency."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("plot needs matplotlib: pip install 'jpaged[bench]'") from None
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(1, 2, figsize=(11, 4.5))
+    throughput = [m.output_throughput for _, m in points]
+    for ax, name, title in ((axes[0], "tpot", "TPOT"), (axes[1], "ttft", "TTFT")):
+        for label, value in (
+            ("median", lambda d: d.median),
+            ("p99", lambda d: d.percentiles[max(d.percentiles)]),
+        ):
+            latency = [value(getattr(m, name)) for _, m in points]
+            ax.plot(latency, throughput, marker="o", label=f"{label} {title}")
+            for (concurrency, _), x, y in zip(points, latency, throughput, strict=True):
+                ax.annotate(str(concurrency), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel(f"{title} (ms)")
+        ax.set_ylabel("output tokens/s")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    figure.suptitle("throughput against latency, by max concurrency")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     from jpaged.benchmarks.serve_client import run_requests
     from jpaged.benchmarks.serve_metrics import parse_goodput, serve_metrics
@@ -126,30 +176,45 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"percentile_metrics: {unknown} are not among ttft, tpot, itl, e2el")
     try:
         percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+        sweep = [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else None
     except ValueError:
-        raise ValueError(f"metric_percentiles must be numbers, got {args.metric_percentiles!r}") from None
+        raise ValueError("metric_percentiles and sweep_concurrency must be comma-separated numbers") from None
     if args.request_rate <= 0 or args.burstiness <= 0:
         raise ValueError("request_rate and burstiness must be > 0")
+    if sweep is not None and min(sweep) < 1:
+        raise ValueError(f"sweep_concurrency values must be >= 1, got {args.sweep_concurrency}")
     goodput = parse_goodput(args.goodput) if args.goodput else None
     requests = requests_from(args)
-    timings, duration = asyncio.run(
-        run_requests(
-            args.base_url,
-            args.model,
-            requests,
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            ignore_eos=args.ignore_eos,
-            seed=args.seed,
-            progress=not args.disable_tqdm,
+    points = []
+    for concurrency in sweep or [args.max_concurrency]:
+        timings, duration = asyncio.run(
+            run_requests(
+                args.base_url,
+                args.model,
+                requests,
+                request_rate=args.request_rate,
+                burstiness=args.burstiness,
+                max_concurrency=concurrency,
+                ignore_eos=args.ignore_eos,
+                seed=args.seed,
+                progress=not args.disable_tqdm,
+            )
         )
-    )
-    metrics = serve_metrics(timings, duration, percentiles, goodput)
-    print(report(metrics, selected))
+        metrics = serve_metrics(timings, duration, percentiles, goodput)
+        if sweep:
+            print(f"max concurrency {concurrency}:")
+        print(report(metrics, selected))
+        points.append((concurrency, metrics))
+    if sweep:
+        print(sweep_table(points))
+        if args.plot:
+            plot_sweep(points, Path(args.plot))
+            print(f"plotted {args.plot}")
     if args.save_result:
         path = Path(args.result_filename or f"bench-serve-{time.strftime('%Y%m%d-%H%M%S')}.json")
-        config = {k: v for k, v in vars(args).items() if k not in ("run",)}
-        path.write_text(json.dumps({"config": config, **dataclasses.asdict(metrics)}, indent=2, default=str))
+        config = {k: v for k, v in vars(args).items() if k != "run"}
+        results = [{"max_concurrency": c, **dataclasses.asdict(m)} for c, m in points]
+        saved = {"config": config, **results[0]} if not sweep else {"config": config, "points": results}
+        path.write_text(json.dumps(saved, indent=2, default=str))
         print(f"saved {path}")
-    return 0 if metrics.completed else 1
+    return 0 if all(m.completed for _, m in points) else 1

@@ -38,7 +38,8 @@ def arrival_times(num_requests: int, request_rate: float, rng: np.random.Generat
 async def stream_completion(
     client: httpx.AsyncClient, url: str, body: dict, request: BenchRequest
 ) -> RequestTiming:
-    """One streamed completion, timed: TTFT at the first chunk with text, a gap per later chunk with text."""
+    """One streamed completion, timed: TTFT at the first chunk, a gap per later chunk (the usage-only chunk
+    aside)."""
     start = time.perf_counter()
     chunk_times, usage = [], None
     try:
@@ -52,7 +53,7 @@ async def stream_completion(
                 event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     return RequestTiming(False, request.prompt_tokens)
-                if any(choice.get("text") for choice in event.get("choices") or ()):
+                if event.get("choices"):  # as vllm bench serve: any chunk of choices, text or not yet
                     chunk_times.append(time.perf_counter() - start)
                 usage = event.get("usage") or usage
     except httpx.HTTPError:
