@@ -212,6 +212,7 @@ class _DeadEngine:
     def __init__(self, live) -> None:
         self.engine = live.engine  # tokenizer, limits and validation still work
         self.error = RuntimeError("device lost")
+        self.failure = f"the engine loop died: {self.error!r}"
         self.is_alive = False
         self.num_unfinished = 0
 
