@@ -17,9 +17,8 @@ import numpy as np
 
 from jpaged.models.params import LeafRecipe
 
-Slicer = Callable[
-    [str], Any
-]  # a tensor's name -> its safetensors slice handle (indexable with slices, get_shape)
+# A tensor's name -> its safetensors slice handle (indexable with slices; get_shape).
+Slicer = Callable[[str], Any]
 
 
 class LazyWeight:
@@ -99,19 +98,21 @@ class FusedWeight(LazyWeight):
     def _read(self, layer: int | None, index) -> np.ndarray:
         *lead, last = index
         columns = _columns(last, self.shape[-1])
-        pieces, positions, offset, taken = [], np.empty(len(columns), np.int64), 0, 0
+        parts, offset = [], 0  # (where in the result, its columns read from one part)
         for name in self.recipe.names:
             tensor = self.slicer(name.format(i=layer))
             size = tensor.get_shape()[0 if self.recipe.transposed else -1]
             wanted = (columns >= offset) & (columns < offset + size)
             if wanted.any():
-                local = columns[wanted] - offset
-                low, high = int(local.min()), int(local.max()) + 1
-                if self.recipe.transposed:  # ours [in, out] is transformers' [out, in]
-                    pieces.append(tensor[low:high, lead[0]].T)
-                else:
-                    pieces.append(tensor[(*lead, slice(low, high))])
-                positions[wanted] = taken + local - low
-                taken += high - low
+
+                def read(cols: slice, tensor=tensor) -> np.ndarray:
+                    if self.recipe.transposed:  # ours [in, out] is transformers' [out, in]
+                        return tensor[cols, lead[0]].T
+                    return tensor[(*lead, cols)]
+
+                parts.append((wanted, _read_columns(read, columns[wanted] - offset)))
             offset += size
-        return np.concatenate(pieces, axis=-1)[..., positions].astype(self.dtype, copy=False)
+        result = np.empty((*parts[0][1].shape[:-1], len(columns)), self.dtype)
+        for wanted, values in parts:
+            result[..., wanted] = values
+        return result

@@ -2,8 +2,8 @@
 runs it, and each follower's loop (`follow`) runs the same action on the same inputs, so every process launches
 the same programs in the same order, as multi-controller JAX requires (see multihost.py).
 
-The followers' side is engine/follower.py. Messages are (engine id, action, arguments): process 0 may hold several engines in turn (or at once), and each
-follower holds a runner for each. "load" loads the next engine's model (every process together: orbax's restore
+The followers' side is engine/follower.py. Messages are (engine id, action, arguments): process 0 may hold
+several engines in turn (or at once), and each follower holds a runner for each. "load" loads the next engine's model (every process together: orbax's restore
 waits for all of them), "start" builds its runner, "close" (when process 0's engine is garbage-collected) drops
 it, and "stop" (at process 0's exit) ends the follower.
 """
@@ -47,7 +47,8 @@ class FollowerStart:
 
 class LeaderRunner:
     """Process 0's ModelRunner: each action that launches device work goes to the followers first. Everything
-    else (reads of sizes, shapes, compiled programs) is the local runner's."""
+    else (reads of sizes, shapes, compiled programs; swap, which start_runner refuses here, so it never moves a
+    block) is the local runner's."""
 
     def __init__(self, runner: ModelRunner, followers: Followers, engine_id: int) -> None:
         self._runner = runner
@@ -84,10 +85,6 @@ class LeaderRunner:
 
     def wake_up(self) -> None:
         self._both("wake_up")
-
-    def swap(self, swap_out, swap_in) -> None:
-        if swap_out or swap_in:
-            raise RuntimeError("swap preemption is refused at start-up when the engine spans processes")
 
     def update_weights(self, params: dict) -> None:
         raise ValueError(

@@ -61,9 +61,9 @@ def process_id() -> int:
 
 
 class Followers:
-    """Process 0's connections to every other process, one set for the process's life. `send`
-    gives each follower the same message, in order, from any thread; a follower whose socket closes (its process
-    died) sets `failure`, and later sends raise. `send_later` is for garbage-collection finalizers, which may run
+    """Process 0's connections to every other process, one set for the process's life. `send` gives each
+    follower the same message, in order, from any thread; a follower whose socket closes (its process died) sets
+    `failure`, and later sends raise. `send_later` is for garbage-collection finalizers, which may run
     in the middle of a send: their messages go ahead of the next one."""
 
     def __init__(self) -> None:
@@ -114,7 +114,7 @@ class Followers:
 
 
 def connect_to_leader() -> Connection:
-    """A follower's connection to process 0, once process 0 has published its port (after loading the model)."""
+    """A follower's connection to process 0, once process 0 has published its port (as its first engine starts)."""
     port, key = distributed.global_state.client.blocking_key_value_get(CONTROL_KEY, CONNECT_TIMEOUT_MS).split(
         ":"
     )
