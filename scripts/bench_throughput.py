@@ -1,10 +1,11 @@
 """Offline throughput: jpaged's continuous batching vs HF transformers' static batching, same weights, same run.
 
-Workloads (seeded random prompt tokens, every request generates exactly its output length, as with ignore_eos):
+Workloads (vLLM's random dataset, seeded; every request generates exactly its output length, as with ignore_eos):
   a  fixed:  N prompts x 128 tokens in, 128 tokens out
-  b  mixed:  N prompts x 128 tokens in, output lengths uniform in 16..256
-Static batching runs the whole batch (left padded) until its longest request is done; only each request's own
-output tokens count. Output tokens/s = counted output tokens / wall time of the generation (warm-up excluded).
+  b  mixed:  N prompts x 128 tokens in, output lengths uniform in 16..255 (136 with range ratio 0.88)
+jpaged runs them as `jpaged bench throughput` does (jpaged.benchmarks.bench_throughput.run_offline). Static batching
+runs the whole batch until its longest request is done; only each request's own output tokens count. Output
+tokens/s = counted output tokens / wall time of the generation (warm-up excluded).
 
   python scripts/bench_throughput.py                 # both workloads, jpaged and HF, float32
   python scripts/bench_throughput.py --skip-hf --workloads b
@@ -18,35 +19,36 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jpaged.benchmarks.bench_throughput import run_offline  # noqa: E402
+from jpaged.benchmarks.datasets import BenchRequest, requests_from  # noqa: E402
 
-def workload(name: str, num_prompts: int, input_len: int, seed: int) -> tuple[list[list[int]], list[int]]:
+OUTPUT_LENGTHS = {"a": (128, 0.0), "b": (136, 0.88)}  # (random output len, range ratio)
+
+
+def workload(name: str, num_prompts: int, input_len: int, seed: int) -> list[BenchRequest]:
     """Prompts drawn from a seed of this workload's own: with a shared one, b's prompts would be a's again and hit
     the prefix cache a left behind, skipping the prefill HF's static batching has to do."""
-    rng = np.random.default_rng([seed, ord(name)])
-    prompts = [list(map(int, rng.integers(100, 49000, input_len))) for _ in range(num_prompts)]
-    if name == "a":
-        return prompts, [128] * num_prompts
-    return prompts, [int(n) for n in rng.integers(16, 257, num_prompts)]
+    output_len, ratio = OUTPUT_LENGTHS[name]
+    dataset = argparse.Namespace(
+        dataset="random",
+        num_prompts=num_prompts,
+        random_input_len=input_len,
+        random_output_len=output_len,
+        random_range_ratio=ratio,
+        seed=seed * 256 + ord(name),
+    )
+    return requests_from(dataset)
 
 
-def run_jpaged(llm, prompts: list[list[int]], output_lens: list[int]) -> tuple[int, float]:
-    from jpaged import SamplingParams
-
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed
-
-
-def run_hf(model, prompts: list[list[int]], output_lens: list[int]) -> tuple[int, float]:
+def run_hf(model, requests: list[BenchRequest]) -> tuple[int, float]:
     import torch
 
-    ids = torch.tensor(prompts)  # equal lengths: left padding is a no-op here, but the batch is static
+    output_lens = [r.max_tokens for r in requests]
+    ids = torch.tensor(
+        [r.prompt for r in requests]
+    )  # equal lengths: left padding is a no-op here, but the batch is static
     longest = max(output_lens)
     start = time.perf_counter()
     with torch.no_grad():
@@ -107,11 +109,11 @@ def main() -> None:
         )
     rows = []
     for name in args.workloads.split(","):
-        prompts, output_lens = workload(name, args.num_prompts, args.input_len, args.seed)
-        tokens, seconds = run_jpaged(llm, prompts, output_lens)
-        row = {"workload": name, "jpaged": tokens / seconds}
+        requests = workload(name, args.num_prompts, args.input_len, args.seed)
+        timings, seconds = run_offline(llm.engine, requests)
+        row = {"workload": name, "jpaged": sum(t.output_tokens for t in timings) / seconds}
         if hf is not None:
-            hf_tokens, hf_seconds = run_hf(hf, prompts, output_lens)
+            hf_tokens, hf_seconds = run_hf(hf, requests)
             row["hf"] = hf_tokens / hf_seconds
         rows.append(row)
 
@@ -125,7 +127,7 @@ def main() -> None:
         hf_rate = row.get("hf")
         hf_text = f"{hf_rate:.0f}" if hf_rate else "-"
         ratio = f"{row['jpaged'] / hf_rate:.2f}x" if hf_rate else "-"
-        label = "a (128 out)" if row["workload"] == "a" else "b (16..256 out)"
+        label = "a (128 out)" if row["workload"] == "a" else "b (16..255 out)"
         print(f"| {label} | {row['jpaged']:.0f} | {hf_text} | {ratio} |")
     print(f"\ncompilations after warm-up: {llm.metrics()['num_compilations'] - warm}")
     print("command: python scripts/bench_throughput.py " + " ".join(sys.argv[1:]))

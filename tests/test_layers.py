@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "jpaged.entrypoints": 6,
     "jpaged_server": 5,
-    "jpaged.benchmarks": 5,  # bench serve (a client of any server) and plan (tokenizer, sizing): beside the server
+    "jpaged.benchmarks": 5,  # bench serve (any server), bench throughput (an engine) and plan: beside the server
     "jpaged.engine": 4,
     "jpaged.core": 3,
     "jpaged.runner": 3,

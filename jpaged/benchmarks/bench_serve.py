@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jpaged.benchmarks.datasets import add_dataset_args, requests_from
+
 if TYPE_CHECKING:
-    from jpaged.benchmarks.serve_client import BenchRequest
     from jpaged.benchmarks.serve_metrics import ServeMetrics
 
-RANDOM_TOKEN_IDS = (100, 10_000)  # random prompts' token ids: inside any real model's vocabulary
+METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -24,25 +25,18 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         "--base-url", default="http://127.0.0.1:8000", help="the server, e.g. http://host:8000"
     )
     parser.add_argument("--model", default=None, help="the served model's name (default: the server's one)")
-    parser.add_argument(
-        "--dataset", default="random", help="'random', or a JSONL file of {prompt, max_tokens}"
-    )
-    parser.add_argument("--num-prompts", type=int, default=100)
+    add_dataset_args(parser, num_prompts=100, input_len=1024)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf")
     parser.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; below 1 burstier")
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument(
         "--ignore-eos", action="store_true", help="generate max_tokens whatever the model says"
     )
-    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    parser.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    add_figure_args(parser)
     parser.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the random dataset's and the arrivals'")
     parser.add_argument("--save-result", action="store_true")
     parser.add_argument("--result-filename", default=None, help="default: bench-serve-<time>.json")
-    parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument(
         "--sweep-concurrency", default=None, help="e.g. 1,4,16,64: one run per max concurrency"
     )
@@ -51,45 +45,27 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def requests_from(args: argparse.Namespace) -> list[BenchRequest]:
-    """The dataset: random token ids of the random lengths, or the JSONL file's prompts, --num-prompts of them
-    (a file shorter than that is cycled)."""
-    import numpy as np
-
-    from jpaged.benchmarks.serve_client import BenchRequest
-
-    if args.num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {args.num_prompts}")
-    if args.dataset == "random":
-        if args.random_input_len < 1 or args.random_output_len < 1:
-            raise ValueError("random_input_len and random_output_len must be >= 1")
-        rng = np.random.default_rng(args.seed)
-        return [
-            BenchRequest(
-                rng.integers(*RANDOM_TOKEN_IDS, args.random_input_len).tolist(),
-                args.random_input_len,
-                args.random_output_len,
-            )
-            for _ in range(args.num_prompts)
-        ]
-    path = Path(args.dataset)
-    if not path.is_file():
-        raise ValueError(f"dataset {args.dataset!r} is neither 'random' nor a file")
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            row = json.loads(line)
-            if not isinstance(row.get("prompt"), str):
-                raise ValueError(f"dataset {path} line {number}: needs a 'prompt' string")
-            rows.append(BenchRequest(row["prompt"], 0, int(row.get("max_tokens", args.random_output_len))))
-    if not rows:
-        raise ValueError(f"dataset {path} has no requests")
-    return [rows[i % len(rows)] for i in range(args.num_prompts)]
+def add_figure_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--percentile-metrics", default=",".join(METRIC_NAMES))
+    parser.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    parser.add_argument("--disable-tqdm", action="store_true")
 
 
-def report(metrics: ServeMetrics, selected: list[str]) -> str:
+def figures_asked(args: argparse.Namespace) -> tuple[list[str], list[float]]:
+    """The latencies to report and their percentiles, from --percentile-metrics and --metric-percentiles."""
+    selected = [name.strip() for name in args.percentile_metrics.split(",") if name.strip()]
+    unknown = [name for name in selected if name not in METRIC_NAMES]
+    if unknown:
+        raise ValueError(f"percentile_metrics: {unknown} are not among {', '.join(METRIC_NAMES)}")
+    try:
+        return selected, [float(p) for p in args.metric_percentiles.split(",")]
+    except ValueError:
+        raise ValueError("metric_percentiles must be comma-separated numbers") from None
+
+
+def report(metrics: ServeMetrics, selected: list[str], title: str = "Serving Benchmark Result") -> str:
     """vllm bench serve's result table."""
-    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+    lines = ["{s:{c}^50}".format(s=f" {title} ", c="=")]
 
     def row(name: str, value) -> None:
         lines.append(f"{name:<40}{value:<10.2f}" if isinstance(value, float) else f"{name:<40}{value:<10}")
@@ -170,15 +146,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from jpaged.benchmarks.serve_client import run_requests
     from jpaged.benchmarks.serve_metrics import parse_goodput, serve_metrics
 
-    selected = [name.strip() for name in args.percentile_metrics.split(",") if name.strip()]
-    unknown = [name for name in selected if name not in ("ttft", "tpot", "itl", "e2el")]
-    if unknown:
-        raise ValueError(f"percentile_metrics: {unknown} are not among ttft, tpot, itl, e2el")
+    selected, percentiles = figures_asked(args)
     try:
-        percentiles = [float(p) for p in args.metric_percentiles.split(",")]
         sweep = [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else None
     except ValueError:
-        raise ValueError("metric_percentiles and sweep_concurrency must be comma-separated numbers") from None
+        raise ValueError("sweep_concurrency must be comma-separated numbers") from None
     if args.request_rate <= 0 or args.burstiness <= 0:
         raise ValueError("request_rate and burstiness must be > 0")
     if sweep is not None and min(sweep) < 1:

@@ -8,20 +8,13 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
+from jpaged.benchmarks.datasets import BenchRequest
 from jpaged.benchmarks.serve_metrics import RequestTiming
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt: str | list[int]  # text, or token ids (the random dataset's)
-    prompt_tokens: int  # what the client counted; the server's usage replaces it when it reports one
-    max_tokens: int
 
 
 def arrival_times(num_requests: int, request_rate: float, rng: np.random.Generator, burstiness: float = 1.0):

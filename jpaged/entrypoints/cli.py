@@ -1,4 +1,4 @@
-"""The `jpaged` command: `generate`, `serve` and `convert`."""
+"""The `jpaged` command: `generate`, `serve`, `bench`, `plan` and `convert`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import typing
 from jpaged_server.cli import add_server_args
 
 from jpaged.benchmarks.bench_serve import add_bench_serve_args
+from jpaged.benchmarks.bench_throughput import add_bench_throughput_args
 from jpaged.benchmarks.plan_command import add_plan_args
 from jpaged.config import EngineConfig
 
@@ -114,6 +115,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return run_bench_serve(args)
 
 
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from jpaged.benchmarks.bench_throughput import run_bench_throughput
+
+    return run_bench_throughput(args, engine_config_from_args(args))
+
+
 def _plan(args: argparse.Namespace) -> int:
     from jpaged.benchmarks.plan_command import run_plan
 
@@ -151,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(run=_bench_serve)
+    bench_throughput = kinds.add_parser(
+        "throughput", help="vllm bench throughput's offline benchmark, in-process, with bench serve's figures"
+    )
+    add_bench_throughput_args(bench_throughput)
+    add_engine_args(bench_throughput)
+    bench_throughput.set_defaults(run=_bench_throughput)
 
     plan = commands.add_parser("plan", help="size a deployment from a sample of real traffic")
     add_plan_args(plan)
