@@ -7,6 +7,7 @@ from engine_driver import run_requests
 from greedy import assert_same_greedy
 
 from jpaged.config import EngineConfig
+from jpaged.core.prefix_doctor import SAMPLE
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.models.loader import load_model
 from jpaged.sampling_params import SamplingParams
@@ -100,6 +101,20 @@ def test_prefix_differing_at_position_zero_shares_nothing(model):
     before = engine.blocks.prefix_cache_hits
     run(engine, ["12:00:02" + body], SamplingParams(max_tokens=1))
     assert engine.blocks.prefix_cache_hits == before
+
+
+def test_a_varying_head_before_a_shared_body_is_logged_once_from_the_first_requests(model, caplog):
+    body = " ".join(f"rule {i}: answer in one short sentence." for i in range(12))
+    stamped, well_formed = make(model), make(model)
+    with caplog.at_level("WARNING", logger="jpaged.engine.llm_engine"):
+        for i in range(2 * SAMPLE):
+            stamped.add_request(f"stamped-{i}", f"2026-12-01 12:{i // 60:02d}:{i % 60:02d} {body} Q{i}?")
+            well_formed.add_request(f"well-{i}", f"{body} 2026-12-01 12:{i // 60:02d}:{i % 60:02d} Q{i}?")
+    hints = [r.getMessage() for r in caplog.records if "prefix caching" in r.getMessage()]
+    assert len(hints) == 1 and f"{SAMPLE} of {SAMPLE} requests" in hints[0] and "stamped-" in hints[0]
+    for engine in (stamped, well_formed):
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
 
 
 def test_abort_frees_blocks_at_once(model):

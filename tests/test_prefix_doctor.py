@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jpaged.benchmarks.prefix_doctor import diagnose
+from jpaged.core.prefix_doctor import SAMPLE, PrefixHint, diagnose
 from jpaged.entrypoints.cli import main
 
 DATA = Path(__file__).resolve().parents[1] / "scripts" / "data"
@@ -34,6 +34,15 @@ def test_shared_parts_that_come_first_or_nothing_shared_are_quiet():
     # A short shared run (one block) behind the head is not worth a warning.
     short = [[int(t) for t in rng.integers(5, 900, 6)] + BODY[:20] + [3000 + i] for i in range(10)]
     assert diagnose(short) is None
+
+
+def test_the_engines_hint_diagnoses_its_first_requests_once_and_names_one():
+    hint = PrefixHint(block_size=16)
+    advice = [hint.observe(f"req-{i}", [7000 + i, 7100 + i] + BODY) for i in range(SAMPLE - 1)]
+    assert advice == [None] * (SAMPLE - 1)  # nothing said before the sample is complete
+    last = hint.observe("req-last", [9000, 9001] + BODY)
+    assert last is not None and last.startswith(f"{SAMPLE} of {SAMPLE} requests") and "request req-0," in last
+    assert hint.observe("req-after", [9100, 9101] + BODY) is None and not hint.sample  # once, then forgotten
 
 
 def plan(capsys, traffic: str) -> str:

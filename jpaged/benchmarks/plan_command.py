@@ -27,10 +27,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from jpaged.benchmarks.capacity_plan import capacity_plan
-    from jpaged.benchmarks.prefix_doctor import diagnose
     from jpaged.benchmarks.text_scripts import tokens_by_script
     from jpaged.benchmarks.traffic import read_traffic
     from jpaged.core.kv_cache_sizing import determine_num_blocks, kv_bytes_per_token
+    from jpaged.core.prefix_doctor import diagnose
     from jpaged.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
     from jpaged.models.loader import load_model
     from jpaged.models.params import param_stats

@@ -19,6 +19,7 @@ import numpy as np
 from jpaged.config import EngineConfig
 from jpaged.core.beam_search import BeamSearch
 from jpaged.core.block_manager import BlockManager
+from jpaged.core.prefix_doctor import SAMPLE, PrefixHint
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Request, SequenceState, SequenceStatus
 from jpaged.engine.beam_driver import BeamDriver
@@ -96,6 +97,7 @@ class LLMEngine:
             None  # launched, its tokens not processed yet (async scheduling)
         )
         self._held: list[RequestOutput] = []  # outputs processed outside step(), returned by the next one
+        self._prefix_hint = PrefixHint(config.block_size) if config.enable_prefix_caching else None
         self.warmup_seconds = 0.0 if config.enforce_eager else self.runner.warmup()
 
     # ---- requests ----
@@ -147,6 +149,8 @@ class LLMEngine:
         self.outputs.attach(seq)
         self.scheduler.add(seq)
         self.requests[request_id] = request
+        if self._prefix_hint and (advice := self._prefix_hint.observe(request_id, token_ids)):
+            logger.warning("prefix caching, from the first %d requests: %s", SAMPLE, advice)
         return request
 
     def check_prompt(self, token_ids: Sequence[int]) -> None:
