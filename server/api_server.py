@@ -23,6 +23,7 @@ from jpaged_server.protocol import (
 )
 from jpaged_server.serving_chat import create_chat_completion
 from jpaged_server.serving_completions import create_completion
+from jpaged_server.startup import EngineLoader, StartupApp
 from jpaged_server.state import ServerState, get_state
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -33,7 +34,7 @@ from jpaged.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})  # probes and scrapers carry no API key
+OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})  # probes and scrapers carry no API key
 DEFAULT_MODEL_NAME = "jpaged-default"
 
 
@@ -46,7 +47,8 @@ def build_app(
     max_waiting_requests: int = 256,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
-    """An OpenAI-compatible app over a running engine; the caller owns the engine (and shuts it down)."""
+    """An OpenAI-compatible app over a running engine, warmed up (AsyncLLMEngine.from_config returns after its
+    warm-up): its /ready is 200 from the start. The caller owns the engine (and shuts it down)."""
     app = FastAPI(title="jpaged", version=jpaged.__version__)
     app.state.server = ServerState(
         engine=engine,
@@ -85,6 +87,15 @@ class APIKeyMiddleware:
 def _add_info_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
+        """Liveness: 503 only when the engine cannot serve again (restart the process); 200 while draining."""
+        state = get_state(request)
+        if not state.engine.is_alive:
+            return error_response(503, state.engine.failure)
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        """Readiness: whether to send this replica requests; 503 while loading (startup.py) and draining."""
         state = get_state(request)
         if not state.engine.is_alive:
             return error_response(503, state.engine.failure)
@@ -137,7 +148,8 @@ def _add_info_routes(app: FastAPI) -> None:
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
-    """Load the engine, serve until SIGTERM/SIGINT, drain within the grace period, exit 0."""
+    """Listen, load and warm up the engine meanwhile (startup.py), serve until SIGTERM/SIGINT, drain within the
+    grace period, exit 0. A load that fails raises its error once the server has stopped."""
     if args.max_waiting_requests < 0:
         raise ValueError(f"max_waiting_requests must be >= 0, got {args.max_waiting_requests}")
     if args.max_request_body_bytes < 1:
@@ -145,18 +157,26 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.shutdown_grace_period < 0:
         raise ValueError(f"shutdown_grace_period must be >= 0 seconds, got {args.shutdown_grace_period}")
     chat_template = load_chat_template(args.chat_template)
-    engine = AsyncLLMEngine.from_config(config)
-    try:
-        app = build_app(
-            engine,
+
+    def load() -> FastAPI:
+        return build_app(
+            AsyncLLMEngine.from_config(config),
             args.served_model_name or config.model or DEFAULT_MODEL_NAME,
             args.api_key,
             chat_template,
             max_waiting_requests=args.max_waiting_requests,
             max_request_body_bytes=args.max_request_body_bytes,
         )
-        server = GracefulServer.for_app(app, args.host, args.port, grace_period=args.shutdown_grace_period)
+
+    startup = StartupApp()
+    server = GracefulServer.for_app(startup, args.host, args.port, grace_period=args.shutdown_grace_period)
+    loader = EngineLoader(load, startup, server)
+    loader.start()
+    try:
         server.run()
     finally:
-        engine.shutdown(timeout=5.0)
+        if loader.app is not None:
+            loader.app.state.server.engine.shutdown(timeout=5.0)
+    if loader.error is not None:
+        raise loader.error
     return 0

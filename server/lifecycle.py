@@ -1,7 +1,7 @@
 """Graceful shutdown: uvicorn with a drain phase between the signal and the exit.
 
-On the first SIGTERM (or SIGINT) the server keeps listening but answers new generation requests and /health with
-503, so a load balancer moves traffic away while in-flight requests finish. When they are done, or the grace
+On the first SIGTERM (or SIGINT) the server keeps listening but answers new generation requests and /ready with
+503, so a load balancer moves traffic away while in-flight requests finish (/health, liveness, stays 200). When they are done, or the grace
 period ends and the rest are aborted (their streams get a final error event), uvicorn shuts down and the process
 exits 0. A second signal exits at once. Plain uvicorn instead closes its socket at the first signal and re-raises
 the signal at the end, which makes the exit status 143, not 0.
@@ -17,6 +17,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 from jpaged_server.state import ServerState
+from starlette.types import ASGIApp
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +26,9 @@ CONNECTION_CLOSE_SECONDS = 5.0  # uvicorn's own wait for connections once the dr
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, grace_period: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState | None, grace_period: float) -> None:
         super().__init__(config)
-        self._state = state
+        self.state = state  # None while the engine loads (startup.py): a drain then has nothing to wait for
         self._grace_period = grace_period
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_requested = False
@@ -35,16 +36,18 @@ class GracefulServer(uvicorn.Server):
 
     @classmethod
     def for_app(
-        cls, app: FastAPI, host: str, port: int, *, grace_period: float, log_level: str = "info"
+        cls, app: ASGIApp, host: str, port: int, *, grace_period: float, log_level: str = "info"
     ) -> GracefulServer:
+        """A server for a FastAPI app from build_app, or for a StartupApp (the state comes with its app)."""
         config = uvicorn.Config(
             app,
             host=host,
             port=port,
             log_level=log_level,
+            lifespan="off",  # no app here has start-up or shutdown handlers
             timeout_graceful_shutdown=CONNECTION_CLOSE_SECONDS,
         )
-        return cls(config, app.state.server, grace_period)
+        return cls(config, app.state.server if isinstance(app, FastAPI) else None, grace_period)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -71,7 +74,11 @@ class GracefulServer(uvicorn.Server):
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
-        state, loop = self._state, asyncio.get_running_loop()
+        state, loop = self.state, asyncio.get_running_loop()
+        if state is None:
+            logger.info("stopping while the engine loads")
+            self.should_exit = True
+            return
         state.draining = True
         logger.info(
             "draining: %d requests in flight, grace period %.1f s", state.in_flight, self._grace_period

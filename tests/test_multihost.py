@@ -109,7 +109,7 @@ def orbax_model(model, tmp_path_factory) -> str:
 
 @pytest.fixture
 def serving_pair(orbax_model, tmp_path):
-    """`jpaged serve --distributed` in two processes; yields (base URL, leader, follower) once /health is 200."""
+    """`jpaged serve --distributed` in two processes; yields (base URL, leader, follower) once /ready is 200."""
     port, http_port = free_port(), free_port()
     command = [sys.executable, "-m", "jpaged.entrypoints.cli", "serve", orbax_model, "--distributed"]
     command += ["--tensor-parallel-size", "4", "--port", str(http_port), *ENGINE_FLAGS]
@@ -121,7 +121,7 @@ def serving_pair(orbax_model, tmp_path):
     base_url = f"http://127.0.0.1:{http_port}"
     try:
         deadline = time.monotonic() + START_SECONDS
-        while _status(base_url) != 200:
+        while _status(base_url, "/ready") != 200:
             for process, log in zip(processes, logs, strict=True):
                 assert process.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the pair did not start serving"
@@ -133,9 +133,9 @@ def serving_pair(orbax_model, tmp_path):
             process.wait()
 
 
-def _status(base_url: str) -> int | None:
+def _status(base_url: str, path: str) -> int | None:
     try:
-        return httpx.get(f"{base_url}/health", timeout=5).status_code
+        return httpx.get(f"{base_url}{path}", timeout=5).status_code
     except httpx.HTTPError:
         return None
 
@@ -162,7 +162,7 @@ def test_the_pair_serves_http_from_process_zero_and_a_lost_follower_turns_health
     follower.send_signal(signal.SIGKILL)
     follower.wait()
     deadline = time.monotonic() + 60  # the leader reads the follower's socket closing at once
-    while (status := _status(base_url)) == 200 and time.monotonic() < deadline:
+    while (status := _status(base_url, "/health")) == 200 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert status == 503
     health = httpx.get(f"{base_url}/health", timeout=5)

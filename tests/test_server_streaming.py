@@ -129,7 +129,8 @@ def test_drain_refuses_new_requests_and_finishes_in_flight_ones(engine):
             lines = response.iter_lines()
             first = next(lines)
             running.server.request_shutdown()
-            wait_for_status(f"{running.base_url}/health", 503)
+            wait_for_status(f"{running.base_url}/ready", 503)
+            assert httpx.get(f"{running.base_url}/health").status_code == 200  # alive: no restart mid-drain
             refused = httpx.post(f"{running.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
             assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
             gate.release()
@@ -184,11 +185,11 @@ def test_jpaged_serve_exits_zero_on_sigterm(tiny_model_dir):
         while True:
             assert process.poll() is None, process.stdout.read()
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, "jpaged serve did not become healthy"
+            assert time.monotonic() < deadline, "jpaged serve did not become ready"
             time.sleep(0.2)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert models["data"][0]["id"] == MODEL
