@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 SAMPLING_EPS = 1e-5  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures overflow softmax; vLLM raises them to this
@@ -24,6 +25,62 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # after every step, everything generated so far
     DELTA = 1  # after every step, only what is new since the previous output
     FINAL_ONLY = 2  # one output, when the request finishes: no per-step outputs, text decoded once at the end
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output text (vLLM's StructuredOutputsParams): exactly one field is set.
+
+    `json` is a JSON schema (a dict or its JSON text), `regex` a regular expression the whole output matches,
+    `choice` the outputs allowed, `grammar` a Lark (or GBNF) grammar, `json_object` any JSON object. Only the form
+    is checked here; whether a schema, regex or grammar compiles is jpaged.structured's to say."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            names = ", ".join(f.name for f in fields(self))
+            raise ValueError(f"structured_outputs must set exactly one of {names}; got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as err:
+                raise ValueError(f"json is not valid JSON: {err}") from None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"json must be a JSON schema object, got {self.json!r}")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"json must be a JSON schema (a dict or its JSON text), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"json_object must be true when given, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: json, regex, choice, grammar or json_object."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """A hashable identity of the constraint (equal schemas written in another key order are equal)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            value = json.loads(value)
+        return self.kind, json.dumps(value, sort_keys=True)
 
 
 @dataclass(slots=True)
@@ -53,6 +110,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (jpaged.structured)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -125,6 +183,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must contain only ints, got {value!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams or None, got {self.structured_outputs!r}"
+            )
         if self.logit_bias is not None:
             try:
                 {int(k): float(v) for k, v in self.logit_bias.items()}

@@ -21,6 +21,7 @@ LAYERS = {
     "jpaged.engine": 4,
     "jpaged.core": 3,
     "jpaged.runner": 3,
+    "jpaged.structured": 3,  # grammars and token bitmasks on the host (llguidance, numpy; no JAX)
     "jpaged.models": 2,
     "jpaged.pallas": 1,
     "jpaged": 0,  # the top-level modules: config, sampling_params, outputs, rounding
@@ -92,6 +93,7 @@ def test_the_host_core_imports_without_jax():
         "jpaged.config",
         "jpaged.sampling_params",
         "jpaged.outputs",
+        "jpaged.structured",
         # the loop's host work: a step's rows and plain schedule, sampling inputs, outputs, beams, text
         "jpaged.engine.scheduled_step",
         "jpaged.engine.step_sampling",
