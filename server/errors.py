@@ -28,11 +28,14 @@ ERROR_TYPES = {
 class APIError(Exception):
     """A request failure with its HTTP status; `param` names the request field at fault, if one is."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers  # e.g. Retry-After on a 503 for overload
 
 
 def bad_request(err: ValueError, fields: set[str] | frozenset[str] = frozenset()) -> APIError:
@@ -53,8 +56,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     }
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def describe_validation_error(err: RequestValidationError) -> tuple[str, str | None]:
@@ -91,7 +96,7 @@ def _common_prefix(a: list[str], b: list[str]) -> list[str]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return error_response(err.status, err.message, err.param)
+        return error_response(err.status, err.message, err.param, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:

@@ -14,8 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_s
 TokenIds = list[StrictInt]
 
 
+MAX_STOP_STRINGS = 128  # each is looked for in every new piece of text: bounded, as OpenAI bounds it (at 4)
+
+
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinity (Python's json reads them) are no number a client means: a 400 naming the field.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(RequestModel):
@@ -30,7 +34,7 @@ class SamplingRequest(RequestModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

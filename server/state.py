@@ -12,6 +12,9 @@ from jpaged_server.metrics import ServerMetrics
 
 from jpaged.engine.async_engine import AsyncLLMEngine
 
+# An overloaded server's hint to come back: a queue of a few hundred requests moves within seconds.
+RETRY_AFTER_SECONDS = "1"
+
 
 @dataclass
 class ServerState:
@@ -52,6 +55,7 @@ class ServerState:
                 503,
                 f"the server is overloaded: {self.engine.num_unfinished} requests are running or waiting "
                 f"(limit {capacity}); retry later",
+                headers={"Retry-After": RETRY_AFTER_SECONDS},
             )
 
     def authorized(self, authorization_header: str) -> bool:
