@@ -15,8 +15,9 @@ from dataclasses import dataclass, fields
 
 SAMPLING_EPS = 1e-5  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures overflow softmax; vLLM raises them to this
-MAX_LOGPROBS = 20  # top-k logprobs cap (OpenAI's limit); the sampler's static buckets go up to it
+MAX_LOGPROBS = 20  # top-k logprobs cap (OpenAI's limit); every step computes this many when a row asks
 MAX_LOGIT_BIAS = 100.0  # OpenAI/vLLM clamp logit_bias values to [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's cap on logit_bias entries; the sampler's fixed bias width
 
 
 class RequestOutputKind(enum.Enum):
@@ -124,6 +125,11 @@ class SamplingParams:
                 int(token_id): min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(bias)))
                 for token_id, bias in self.logit_bias.items()
             }
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+                raise ValueError(
+                    f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_TOKENS} are allowed "
+                    "(ban or allow many tokens with bad_words or allowed_token_ids)"
+                )
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         self._check_ranges()

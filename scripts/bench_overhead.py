@@ -62,7 +62,7 @@ def stub_device(engine, rng: np.random.Generator) -> None:
         def result(self) -> StepOutput:
             return self.output
 
-    engine.runner.dispatch = lambda prepared, sampling, num_logprobs: Ready(prepared.num_rows)
+    engine.runner.dispatch = lambda prepared, sampling: Ready(prepared.num_rows)
 
 
 def main() -> None:

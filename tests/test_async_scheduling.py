@@ -23,9 +23,9 @@ def record_dispatches(engine: LLMEngine) -> list:
     seen = []
     dispatch = engine.runner.dispatch
 
-    def recording(prepared, sampling, num_logprobs):
+    def recording(prepared, sampling):
         seen.append((prepared.batch, sampling))
-        return dispatch(prepared, sampling, num_logprobs)
+        return dispatch(prepared, sampling)
 
     engine.runner.dispatch = recording
     return seen

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jpaged.runner.packed_inputs import pack, unpack
-from jpaged.runner.sampling_inputs import SamplingRow, step_sampling_tensors
+from jpaged.runner.sampling_inputs import SamplingRow, SamplingWidths, build_sampling_tensors, split_wide
 from jpaged.runner.step_batch import dummy_batch
 from jpaged.sampling_params import SamplingParams
 
@@ -19,7 +19,7 @@ def step_inputs():
         SamplingRow(SamplingParams(temperature=0.7, top_p=0.9, seed=2**63 + 5), [1, 2], [3], seed=2**63 + 5),
         SamplingRow(SamplingParams(temperature=0.0, logit_bias={3: -100.0}), [4], [], seed=1),
     ]
-    sampling = step_sampling_tensors(rows, 4, 1000)
+    sampling, _ = split_wide(build_sampling_tensors(rows, 4, SamplingWidths(1000, history_len=16)))
     return dummy_batch(16, 4, 8), sampling, np.arange(16, dtype=np.int32)
 
 

@@ -11,11 +11,19 @@ from jpaged.runner.sampler import (
     _candidate_threshold,
     _LogWeights,
     _top_k_top_p_threshold,
+    allowed_tokens,
     apply_penalties,
     sample,
 )
-from jpaged.runner.sampling_inputs import SamplingRow, build_sampling_tensors, logprobs_bucket
-from jpaged.sampling_params import SamplingParams
+from jpaged.runner.sampling_inputs import (
+    WIDE_FIELDS,
+    SamplingRow,
+    SamplingTensors,
+    SamplingWidths,
+    build_sampling_tensors,
+    neutral_wide,
+)
+from jpaged.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
 
 V = 1024  # several blocks of the two-level draw, and more than the first top_k/top_p candidate tier
 DRAWS = 4096
@@ -23,7 +31,14 @@ LIVE = np.random.default_rng(0).choice(V, 32, replace=False)  # the tokens with 
 LOGITS = np.full(V, -np.inf, np.float32)
 LOGITS[LIVE] = np.random.default_rng(1).normal(0.0, 2.0, 32)
 
-_sample = jax.jit(sample, static_argnames=("num_logprobs", "branch_free"))
+WIDTHS = SamplingWidths(V, history_len=64)
+_sample = jax.jit(sample, static_argnames=("branch_free",))
+
+
+def _complete(tensors: SamplingTensors) -> SamplingTensors:
+    """The wide fields the host left out, neutral (what the runner passes from the device)."""
+    neutral = neutral_wide(len(tensors.temperature), WIDTHS)
+    return tensors._replace(**{f: neutral[f] for f in WIDE_FIELDS if getattr(tensors, f) is None})
 
 
 def _rows(
@@ -32,13 +47,13 @@ def _rows(
     return [SamplingRow(params, list(prompt), list(outputs or []), seed=1000 + i) for i in range(n)]
 
 
-def _run(rows: list[SamplingRow], logits: np.ndarray, num_logprobs=None, branch_free=False):
+def _run(rows: list[SamplingRow], logits: np.ndarray, branch_free=False, truncation=True):
     """Sample with every batch padded to DRAWS rows, so the tests share a few compilations."""
     logits = np.zeros((DRAWS, V), np.float32) + (
         logits if logits.ndim == 1 else np.pad(logits, [(0, DRAWS - len(logits)), (0, 0)])
     )
-    tensors = build_sampling_tensors(rows, DRAWS, V)
-    sampled = _sample(logits, tensors, num_logprobs=num_logprobs, branch_free=branch_free)
+    tensors = build_sampling_tensors(rows, DRAWS, WIDTHS, truncation=truncation)
+    sampled = _sample(logits, _complete(tensors), branch_free=branch_free)
     out = jax.tree.map(np.asarray, sampled)
     return jax.tree.map(lambda x: x[: len(rows)], out), tensors
 
@@ -66,8 +81,7 @@ def _truncated(probs: np.ndarray, keep: np.ndarray) -> np.ndarray:
 def test_temperature_zero_equals_argmax():
     logits = np.random.default_rng(1).normal(size=(8, V)).astype(np.float32)
     rows = _rows(SamplingParams(temperature=0.0), 5)
-    out, tensors = _run(rows, logits)
-    assert tensors.keys is None  # all-greedy batches draw no random numbers
+    out, _ = _run(rows, logits)
     np.testing.assert_array_equal(out.token_ids, logits[:5].argmax(-1))
 
 
@@ -135,9 +149,10 @@ def test_same_seed_same_token_regardless_of_row_or_batch():
 
 def test_top_k_top_p_switched_on_but_unused_draw_like_the_plain_path():
     rows = _rows(SamplingParams(), 64)
-    plain, tensors = _run(rows, LOGITS)
+    plain, tensors = _run(rows, LOGITS, truncation=False)
+    assert tensors.top_k is None  # what the branch-free host sends when no row truncates
     carried = tensors._replace(top_k=np.zeros(DRAWS, np.int32), top_p=np.ones(DRAWS, np.float32))
-    out = _sample(np.broadcast_to(LOGITS, (DRAWS, V)), carried, num_logprobs=None)
+    out = _sample(np.broadcast_to(LOGITS, (DRAWS, V)), _complete(carried))
     np.testing.assert_array_equal(np.asarray(out.token_ids)[:64], plain.token_ids)
 
 
@@ -182,7 +197,7 @@ def test_penalties_change_logits_as_vllm_defines(presence, frequency, repetition
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition
     )
     rows = [SamplingRow(params, p, o, seed=0) for p, o in zip(prompts, outputs, strict=True)]
-    t = build_sampling_tensors(rows, 4, V)
+    t = build_sampling_tensors(rows, 4, WIDTHS)
     got = np.asarray(
         jax.jit(apply_penalties)(
             logits, t.history, t.prompt_lens, t.presence_penalty, t.frequency_penalty, t.repetition_penalty
@@ -204,27 +219,22 @@ def test_repetition_penalty_steers_greedy_away_from_repeats():
 def test_logprobs_are_log_softmax_of_raw_logits_with_top_k_and_rank():
     logits = np.random.default_rng(4).normal(size=(8, V)).astype(np.float32)
     params = SamplingParams(temperature=0.5, frequency_penalty=1.0, logprobs=3)
-    rows = _rows(params, 8, outputs=[1, 2])
-    num_logprobs = logprobs_bucket(r.params.logprobs for r in rows)
-    assert num_logprobs == 5
-    out, _ = _run(rows, logits, num_logprobs=num_logprobs)
+    out, _ = _run(_rows(params, 8, outputs=[1, 2]), logits)
     raw = np.asarray(jax.nn.log_softmax(logits.astype(np.float64), axis=-1))
     rows_idx = np.arange(8)
     np.testing.assert_array_equal(out.logprob_token_ids[:, 0], out.token_ids)
     np.testing.assert_allclose(out.logprobs[:, 0], raw[rows_idx, out.token_ids], atol=1e-5)
-    np.testing.assert_array_equal(out.logprob_token_ids[:, 1:], np.argsort(-raw, axis=-1)[:, :5])
-    np.testing.assert_allclose(out.logprobs[:, 1:], -np.sort(-raw, axis=-1)[:, :5], atol=1e-5)
+    # Every step computes the top MAX_LOGPROBS; the host keeps each row's own number of them.
+    np.testing.assert_array_equal(out.logprob_token_ids[:, 1:], np.argsort(-raw, axis=-1)[:, :MAX_LOGPROBS])
+    np.testing.assert_allclose(out.logprobs[:, 1:], -np.sort(-raw, axis=-1)[:, :MAX_LOGPROBS], atol=1e-5)
     ranks = (raw >= raw[rows_idx, out.token_ids][:, None]).sum(-1)
     np.testing.assert_array_equal(out.sampled_rank, ranks)
 
 
-def test_no_logprobs_asked_returns_none():
-    rows = _rows(SamplingParams(), 2)
-    assert logprobs_bucket(r.params.logprobs for r in rows) is None
-    out, _ = _run(rows, LOGITS, num_logprobs=None)
-    assert out.logprobs is None and out.sampled_rank is None
-    assert logprobs_bucket([0]) == 0
-    assert logprobs_bucket([6]) == 20
+def test_logprobs_are_skipped_when_no_row_asks():
+    out, _ = _run(_rows(SamplingParams(), 2), LOGITS)
+    assert out.logprobs.shape == (2, 1 + MAX_LOGPROBS) and not out.logprobs.any()
+    assert not out.sampled_rank.any()
 
 
 def test_allowed_token_ids_restrict_only_their_row():
@@ -270,35 +280,70 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
     assert out.token_ids[1] == eos
 
 
-def test_plain_batches_carry_no_optional_inputs():
-    t = build_sampling_tensors(_rows(SamplingParams(temperature=0.8), 3), 8, V)
-    present = {name for name, value in t._asdict().items() if value is not None}
-    assert present == {"temperature", "min_p", "keys", "steps"}
-    assert t.temperature[3:].tolist() == [0.0] * 5  # padded rows are greedy
+def test_every_batch_has_the_same_shapes_and_wide_fields_only_where_a_row_needs_them():
+    plain = build_sampling_tensors(_rows(SamplingParams(temperature=0.8), 3), 8, WIDTHS)
+    assert all(getattr(plain, f) is None for f in WIDE_FIELDS)  # the runner's device copies stand in
+    assert plain.temperature[3:].tolist() == [0.0] * 5  # padded rows are greedy
+    params = SamplingParams(presence_penalty=0.5, logit_bias={3: 1.0}, allowed_token_ids=[1, 2])
+    full = build_sampling_tensors(_rows(params, 3), 8, WIDTHS)
+    shapes = {f: getattr(full, f).shape for f in WIDE_FIELDS}
+    assert shapes == {
+        "history": (8, WIDTHS.history_len),
+        "bias_ids": (8, MAX_LOGIT_BIAS_TOKENS),
+        "bias_values": (8, MAX_LOGIT_BIAS_TOKENS),
+        "token_bitmask": (8, V // 32),
+    }
+    small = {f: getattr(plain, f).shape for f in SamplingTensors._fields if f not in WIDE_FIELDS}
+    assert small == {f: getattr(full, f).shape for f in small}
 
 
-def test_new_data_with_the_same_features_reuses_the_compiled_sampler():
+def test_one_compiled_sampler_serves_every_kind_of_request():
     traces = []
 
     @jax.jit
     def step(logits, tensors):
         traces.append(1)
-        return sample(logits, tensors, num_logprobs=None)
+        return sample(logits, tensors)
 
     rng = np.random.default_rng(5)
-    for i in range(3):  # greedy keeps the compile cheap; sampled stages are switched the same way
-        params = SamplingParams(temperature=0.0, logit_bias={i: 1.0}, presence_penalty=0.1 * (i + 1))
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_k=5, logprobs=2),
+        SamplingParams(temperature=0.0, logit_bias={7: 1.0}, presence_penalty=0.3),
+        SamplingParams(allowed_token_ids=list(range(40)), min_tokens=3),
+        SamplingParams(repetition_penalty=1.2, logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_TOKENS), 0.5)),
+    ]
+    for i, params in enumerate(kinds):
         rows = _rows(params, 3, outputs=rng.integers(0, V, i * 3).tolist())
-        step(rng.normal(size=(8, V)).astype(np.float32), build_sampling_tensors(rows, 8, V, history_len=64))
+        rows[0].eos_token_id = 2
+        step(rng.normal(size=(8, V)).astype(np.float32), _complete(build_sampling_tensors(rows, 8, WIDTHS)))
     assert len(traces) == 1
+
+
+def test_the_bitmask_allows_its_rows_tokens_less_the_bans():
+    rows = [
+        SamplingRow(SamplingParams(allowed_token_ids=[0, 31, 32, V - 1]), [1], [], 0),
+        SamplingRow(SamplingParams(), [1], [5], 0, bad_words_token_ids=[[5, 33], [70]]),
+        SamplingRow(SamplingParams(min_tokens=2, stop_token_ids=[9]), [1], [], 0, eos_token_id=2),
+        SamplingRow(SamplingParams(allowed_token_ids=[4, 9], min_tokens=1, stop_token_ids=[9]), [1], [], 0),
+    ]
+    t = build_sampling_tensors(rows, 8, WIDTHS)
+    allowed = np.asarray(allowed_tokens(t.token_bitmask, V))
+    everything = np.ones(V, bool)
+    expected = [np.isin(np.arange(V), [0, 31, 32, V - 1]), everything.copy(), everything.copy()]
+    expected[1][[33, 70]] = False
+    expected[2][[2, 9]] = False
+    expected.append(np.isin(np.arange(V), [4]))
+    np.testing.assert_array_equal(allowed[:4], np.stack(expected))
+    assert allowed[4:].all()  # padding rows are unconstrained
 
 
 def test_build_rejects_more_rows_than_num_rows_and_short_history():
     with pytest.raises(ValueError, match="num_rows"):
-        build_sampling_tensors(_rows(SamplingParams(), 3), 2, V)
+        build_sampling_tensors(_rows(SamplingParams(), 3), 2, WIDTHS)
     rows = _rows(SamplingParams(presence_penalty=0.5), 1, prompt=range(20))
     with pytest.raises(ValueError, match="history_len"):
-        build_sampling_tensors(rows, 1, V, history_len=16)
+        build_sampling_tensors(rows, 1, SamplingWidths(V, history_len=16))
 
 
 def _reference_kept(logits: np.ndarray, top_k: int, top_p: float) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jpaged.engine.tokenizer import tokenize_bad_words
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -60,6 +60,12 @@ def test_min_tokens_above_max_tokens_is_rejected():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
     assert SamplingParams(max_tokens=None, min_tokens=5).max_tokens is None  # None: up to the context length
+
+
+def test_logit_bias_beyond_the_samplers_fixed_width_is_rejected_naming_the_limit():
+    SamplingParams(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_TOKENS), 1.0))
+    with pytest.raises(ValueError, match=f"logit_bias has {MAX_LOGIT_BIAS_TOKENS + 1} entries; at most"):
+        SamplingParams(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_TOKENS + 1), 1.0))
 
 
 def test_greedy_with_several_samples_is_rejected():

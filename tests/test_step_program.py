@@ -18,7 +18,7 @@ from jpaged.models.llama import STACKED, abstract_params, init_kv_cache, model_g
 from jpaged.pallas import gpu
 from jpaged.runner.device_step import bind_step, copy_blocks
 from jpaged.runner.packed_inputs import pack
-from jpaged.runner.sampling_inputs import step_sampling_tensors, with_truncation
+from jpaged.runner.sampling_inputs import SamplingWidths, build_sampling_tensors, neutral_wide, split_wide
 from jpaged.runner.step_batch import dummy_batch
 
 BLOCK_SIZE = 16
@@ -47,14 +47,19 @@ def gpu_steps(config):
     """The step as a GPU runs it, with every sampling variant the host can choose, in a decode and a prefill
     bucket: (bound step, its abstract args)."""
     step = bind_step(model_graphdef(config), gpu.ragged_paged_attention_stacked, STACKED, branch_free=True)
+    widths = SamplingWidths(config.vocab_size, history_len=64)
     for tokens, seqs in ((8, 8), (64, 4)):
         batch = dummy_batch(tokens, seqs, 8)
-        plain = step_sampling_tensors([], seqs, config.vocab_size, branch_free=True)
-        for sampling in (plain, with_truncation(plain)):
-            packed, layout = pack((batch, sampling, None))
-            bound = functools.partial(step, layout=layout, num_logprobs=5, num_prompt_logprobs=None)
+        for truncation in (False, True):
+            sampling, _ = split_wide(build_sampling_tensors([], seqs, widths, truncation=truncation))
+            packed, layout = pack((batch, sampling))
+            bound = functools.partial(step, layout=layout)
             last_tokens = jax.ShapeDtypeStruct((seqs,), jnp.int32)
-            yield bound, (abstract_params(config, jnp.bfloat16), cache_spec(config), last_tokens, packed)
+            wide = neutral_wide(seqs, widths)
+            yield (
+                bound,
+                (abstract_params(config, jnp.bfloat16), cache_spec(config), last_tokens, packed, wide),
+            )
 
 
 def test_the_gpu_step_has_no_branch_or_loop_that_the_device_decides(tiny_llama):
@@ -68,10 +73,18 @@ def test_the_gpu_step_has_no_branch_or_loop_that_the_device_decides(tiny_llama):
 def test_the_cpu_sampler_keeps_its_shortcuts_so_the_check_above_can_fail(tiny_llama):
     config = tiny_llama.config
     step = bind_step(model_graphdef(config), gpu.ragged_paged_attention_stacked, STACKED, branch_free=False)
-    packed, layout = pack((dummy_batch(8, 8, 8), step_sampling_tensors([], 8, config.vocab_size), None))
-    bound = functools.partial(step, layout=layout, num_logprobs=None, num_prompt_logprobs=None)
+    widths = SamplingWidths(config.vocab_size, history_len=64)
+    sampling, _ = split_wide(build_sampling_tensors([], 8, widths))
+    packed, layout = pack((dummy_batch(8, 8, 8), sampling))
+    bound = functools.partial(step, layout=layout)
     last_tokens = jax.ShapeDtypeStruct((8,), jnp.int32)
-    args = (abstract_params(config, jnp.bfloat16), cache_spec(config), last_tokens, packed)
+    args = (
+        abstract_params(config, jnp.bfloat16),
+        cache_spec(config),
+        last_tokens,
+        packed,
+        neutral_wide(8, widths),
+    )
     assert "cond" in primitives(jax.make_jaxpr(bound)(*args).jaxpr)
 
 

@@ -283,8 +283,8 @@ class LLMEngine:
         sequence as one token ahead (pending) until its token comes back, so the next schedule can plan past it."""
         prepared = self.runner.prepare(scheduled.schedule)
         rows = scheduled.rows
-        sampling, num_logprobs = self.sampling.inputs(rows, prepared.num_rows)
-        pending = self.runner.dispatch(prepared, sampling, num_logprobs)
+        sampling = self.sampling.inputs(rows, prepared.num_rows)
+        pending = self.runner.dispatch(prepared, sampling)
         for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
         fans_out = False

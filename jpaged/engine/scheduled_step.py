@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jpaged.core.sequence import SequenceState
-from jpaged.runner.sampling_inputs import logprobs_bucket
 from jpaged.runner.step_batch import PreparedStep, StepSchedule
 
 if TYPE_CHECKING:
@@ -74,7 +73,6 @@ def scheduled_step(
         sample_rows,
         [seq.pending_row for seq in seqs],
         [(i, seqs[i].request.prompt_token_ids) for i in prompt_logprob_seqs],
-        logprobs_bucket(seqs[i].request.params.prompt_logprobs for i in prompt_logprob_seqs),
     )
     return ScheduledStep(seqs, num_new_tokens, rows, prompt_logprob_seqs, schedule, num_first_prompt_tokens)
 

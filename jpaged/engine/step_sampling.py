@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from jpaged.core.sequence import Request, SequenceState
 from jpaged.engine.scheduled_step import SampledRows
-from jpaged.runner.sampling_inputs import SamplingRow, SamplingTensors, logprobs_bucket
+from jpaged.runner.sampling_inputs import SamplingRow, SamplingTensors
 from jpaged.sampling_params import SamplingParams
 
 
@@ -60,24 +60,23 @@ class StepSampling:
         self._build = build  # ModelRunner.sampling_tensors
         self._eos_token_id = eos_token_id
         self._plain: dict[int, SamplingTensors] = {}  # inputs of plain greedy rows, by row count
-        # The previous step's static rows and their inputs: (row_seqs, tensors, num_rows, num_logprobs).
-        self._static: tuple[list[SequenceState], SamplingTensors, int, int | None] | None = None
+        # The previous step's static rows and their inputs: (row_seqs, tensors, num_rows).
+        self._static: tuple[list[SequenceState], SamplingTensors, int] | None = None
 
-    def inputs(self, rows: SampledRows, num_rows: int) -> tuple[SamplingTensors, int | None]:
-        """The sampler's inputs for these rows (padded to `num_rows`), and the logprobs bucket."""
+    def inputs(self, rows: SampledRows, num_rows: int) -> SamplingTensors:
+        """The sampler's inputs for these rows (padded to `num_rows`)."""
         row_seqs, all_static, all_plain = rows.seqs, rows.all_static, rows.all_plain
         if all_plain:
             tensors = self._plain.get(num_rows)
             if tensors is None:
                 tensors = self._plain[num_rows] = self._build((), num_rows)
-            return tensors, None
+            return tensors
         previous = self._static
         if all_static and previous is not None and previous[0] == row_seqs and previous[2] == num_rows:
-            _, tensors, _, num_logprobs = previous
-            if tensors.steps is not None:
-                steps = tensors.steps.copy()
-                steps[: len(row_seqs)] += 1
-                tensors = tensors._replace(steps=steps)
+            tensors = previous[1]
+            steps = tensors.steps.copy()
+            steps[: len(row_seqs)] += 1
+            tensors = tensors._replace(steps=steps)
         else:
             sampling_rows = [
                 SamplingRow(
@@ -92,6 +91,5 @@ class StepSampling:
                 for seq, seed in zip(row_seqs, _row_seeds(row_seqs), strict=True)
             ]
             tensors = self._build(sampling_rows, num_rows)
-            num_logprobs = logprobs_bucket(row.params.logprobs for row in sampling_rows)
-        self._static = (row_seqs, tensors, num_rows, num_logprobs) if all_static else None
-        return tensors, num_logprobs
+        self._static = (row_seqs, tensors, num_rows) if all_static else None
+        return tensors

@@ -262,7 +262,20 @@ class CausalLM(nnx.Module):
         attention: Callable,
         products: MatrixProducts = STACKED,
     ) -> tuple[jax.Array, KVCache]:
-        """Run the step's tokens through the model; returns (float32 logits [R, V], updated cache)."""
+        """Run the step's tokens through the model; returns (float32 logits [R, V] of the rows
+        `batch.logits_indices` names, updated cache)."""
+        x, kv_cache = self.hidden_states(kv_cache, batch, attention=attention, products=products)
+        return self.logits(x[batch.logits_indices], batch.num_logits[0], products), kv_cache
+
+    def hidden_states(
+        self,
+        kv_cache: KVCache,
+        batch: StepBatch,
+        *,
+        attention: Callable,
+        products: MatrixProducts = STACKED,
+    ) -> tuple[jax.Array, KVCache]:
+        """The last layer's output for every token [T, D] (before the final norm), and the updated cache."""
         c = self.config
         dtype = self.final_norm.weight[...].dtype
         block_size = kv_cache.k.shape[2]
@@ -288,10 +301,13 @@ class CausalLM(nnx.Module):
         x = self.embed(batch.token_ids, products)
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
         (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (sliced, layer_ids))
-        h = self.final_norm(x[batch.logits_indices])
+        return x, KVCache(k_cache, v_cache)
+
+    def logits(self, x: jax.Array, rows: jax.Array, products: MatrixProducts = STACKED) -> jax.Array:
+        """float32 logits [R, V] of hidden states x [R, D]; rows past `rows` are padding (may be zero)."""
         tied = self.lm_head is None
         head = self.embed.weight[...] if tied else self.lm_head[...]
-        return products.lm_head(head, h, batch.num_logits[0], tied=tied), KVCache(k_cache, v_cache)
+        return products.lm_head(head, self.final_norm(x), rows, tied=tied)
 
 
 @functools.lru_cache(maxsize=32)

@@ -14,7 +14,7 @@ from jpaged.rounding import cdiv
 from jpaged.runner.device_step import bind_step
 from jpaged.runner.model_runner import attention_for
 from jpaged.runner.packed_inputs import pack
-from jpaged.runner.sampling_inputs import step_sampling_tensors, with_truncation
+from jpaged.runner.sampling_inputs import SamplingWidths, build_sampling_tensors, neutral_wide, split_wide
 from jpaged.runner.step_batch import dummy_batch
 from jpaged.runner.weight_layout import choose_products
 
@@ -39,19 +39,18 @@ def activation_peak_bytes(
     cache = KVCache(*(jax.ShapeDtypeStruct(cache_shape, dtype) for _ in range(2)))
     tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
     batch = dummy_batch(tokens, seqs, cdiv(max_model_len, config.block_size))
-    sampling = with_truncation(step_sampling_tensors([], seqs, model_config.vocab_size))  # the larger variant
+    widths = SamplingWidths(model_config.vocab_size, max_model_len)
+    sampling, _ = split_wide(build_sampling_tensors([], seqs, widths))  # with top_k/top_p: the larger variant
     products = choose_products(abstract(params))
     attention = attention_for(config, model_config, config.attention_impl, dtype)
-    packed, layout = pack((batch, sampling, None))
+    packed, layout = pack((batch, sampling))
     branch_free = jax.default_backend() != "cpu"
     step = functools.partial(
-        bind_step(model_graphdef(model_config), attention, products, branch_free=branch_free),
-        layout=layout,
-        num_logprobs=None,
-        num_prompt_logprobs=None,
+        bind_step(model_graphdef(model_config), attention, products, branch_free=branch_free), layout=layout
     )
     device_params = jax.eval_shape(products.layout, abstract(params))
     last_tokens = jax.ShapeDtypeStruct((seqs,), np.int32)
-    compiled = jax.jit(step).lower(device_params, cache, last_tokens, packed).compile()
+    wide = abstract(neutral_wide(seqs, widths))
+    compiled = jax.jit(step).lower(device_params, cache, last_tokens, packed, wide).compile()
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0

@@ -1,6 +1,7 @@
-"""The device step as one pure function of (params, KV cache, last tokens, packed inputs): the model (its NNX graph
-merged with the params, the state dict), then sampling. The runner jits it once per shape bucket with the cache
-and the last tokens donated.
+"""The device step as one pure function of (params, KV cache, last tokens, packed inputs, wide sampling inputs): the
+model (its NNX graph merged with the params, the state dict), then sampling. The runner jits it once per shape
+bucket with the cache and the last tokens donated; prompt logprobs are a second program over the step's hidden
+states, one per token bucket.
 
 `last_tokens` [R] holds the tokens the previous step sampled, row by row: a step scheduled before the previous
 one's tokens reached the host (async scheduling) names such an input token -(row + 1), and takes it from there."""
@@ -17,6 +18,7 @@ from flax import nnx
 from jpaged.models.llama import KVCache, MatrixProducts
 from jpaged.runner.packed_inputs import unpack
 from jpaged.runner.sampler import gather_logprobs, sample
+from jpaged.sampling_params import MAX_LOGPROBS
 
 
 def device_step(
@@ -24,29 +26,33 @@ def device_step(
     kv_cache,
     last_tokens,
     packed,
+    wide,
     *,
     layout,
     graphdef,
     attention,
     products,
     branch_free,
-    num_logprobs,
-    num_prompt_logprobs,
 ):
-    """`packed` holds the step's batch, sampling tensors and prompt targets (packed_inputs.py). With prompt
-    targets [T] (the prompt-logprobs variant), the batch asks for the logits of every token after the S sampled
-    rows, and the logprobs of each token's next prompt token come back too."""
-    batch, sampling, prompt_targets = unpack(packed, layout)
+    """`packed` holds the step's batch and sampling tensors but their wide fields (packed_inputs.py), `wide` the
+    wide fields (sampling_inputs.WIDE_FIELDS). Also returns every token's hidden states [T, D], which
+    `prompt_logprobs` reads when a request asks for them (kept on the device otherwise)."""
+    batch, sampling = unpack(packed, layout)
+    sampling = sampling._replace(**wide)
     batch = batch._replace(token_ids=with_last_tokens(batch.token_ids, last_tokens))
     model = nnx.merge(graphdef, params)
-    logits, kv_cache = model(kv_cache, batch, attention=attention, products=products)
-    num_rows = sampling.temperature.shape[0]
-    sampled = sample(logits[:num_rows], sampling, num_logprobs=num_logprobs, branch_free=branch_free)
-    last_tokens = last_tokens.at[:num_rows].set(sampled.token_ids)
-    if prompt_targets is None:
-        return kv_cache, last_tokens, sampled, None
-    prompt = gather_logprobs(logits[num_rows:], prompt_targets, num_prompt_logprobs)
-    return kv_cache, last_tokens, sampled, prompt
+    hidden, kv_cache = model.hidden_states(kv_cache, batch, attention=attention, products=products)
+    logits = model.logits(hidden[batch.logits_indices], batch.num_logits[0], products)
+    sampled = sample(logits, sampling, branch_free=branch_free)
+    last_tokens = last_tokens.at[: logits.shape[0]].set(sampled.token_ids)
+    return kv_cache, last_tokens, sampled, hidden
+
+
+def prompt_logprobs(params, hidden, targets, num_tokens, *, graphdef, products):
+    """The top MAX_LOGPROBS logprobs at every token of a step, and those of each token's target (its next prompt
+    token): values and ids [T, 1 + K], ranks [T]; `num_tokens` [1] of the T are real (the rest is padding)."""
+    model = nnx.merge(graphdef, params)
+    return gather_logprobs(model.logits(hidden, num_tokens[0], products), targets, MAX_LOGPROBS)
 
 
 def with_last_tokens(token_ids: jax.Array, last_tokens: jax.Array) -> jax.Array:
@@ -62,6 +68,10 @@ def bind_step(
     return functools.partial(
         device_step, graphdef=graphdef, attention=attention, products=products, branch_free=branch_free
     )
+
+
+def bind_prompt_logprobs(graphdef: nnx.GraphDef, products: MatrixProducts) -> Callable:
+    return functools.partial(prompt_logprobs, graphdef=graphdef, products=products)
 
 
 def copy_blocks(kv_cache: KVCache, copies: jax.Array) -> KVCache:

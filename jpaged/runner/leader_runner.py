@@ -67,8 +67,8 @@ class LeaderRunner:
         self._followers.send((self._id, action, args))
         return getattr(self._runner, action)(*args)
 
-    def dispatch(self, step, sampling, num_logprobs):
-        return self._both("dispatch", step, sampling, num_logprobs)
+    def dispatch(self, step, sampling):
+        return self._both("dispatch", step, sampling)
 
     def copy_blocks(self, copies):
         return self._both("copy_blocks", copies)

@@ -25,15 +25,17 @@ from jpaged.models.llama import KVCache, StackedProducts, init_kv_cache, model_g
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.rounding import cdiv
-from jpaged.runner.device_step import bind_step, copy_blocks, scatter_blocks
+from jpaged.runner.device_step import bind_prompt_logprobs, bind_step, copy_blocks, scatter_blocks
 from jpaged.runner.executable_cache import step_cache
 from jpaged.runner.kv_transfer import HostSwapSpace
 from jpaged.runner.packed_inputs import PackedLayout, pack
 from jpaged.runner.sampling_inputs import (
     SamplingRow,
     SamplingTensors,
-    step_sampling_tensors,
-    with_truncation,
+    SamplingWidths,
+    build_sampling_tensors,
+    neutral_wide,
+    split_wide,
 )
 from jpaged.runner.step_batch import PreparedStep, StepSchedule, dummy_batch, pad_batch
 from jpaged.runner.step_output import PendingOutput
@@ -95,6 +97,12 @@ class ModelRunner:
         # Each step's sampled tokens, which the next step may take its inputs from (device_step.py).
         replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh else None
         self.last_tokens = jax.device_put(np.zeros(max(self.shapes.seq_sizes), np.int32), replicated)
+        self.sampling_widths = SamplingWidths(model_config.vocab_size, max_model_len)
+        # The wide sampling fields of rows that need none, per row count: kept on the device, never re-sent.
+        self._neutral_wide = {
+            seqs: jax.device_put(neutral_wide(seqs, self.sampling_widths), replicated)
+            for seqs in self.shapes.seq_sizes
+        }
         if self.mesh:
             logger.info(
                 "tensor parallel over %s: %.1f MiB of weights and %.1f MiB of KV pool per device",
@@ -113,9 +121,9 @@ class ModelRunner:
         if self.mesh:
             attention = shard_attention(attention, self.mesh)
         step = bind_step(self.graphdef, attention, products, branch_free=self.branch_free)
-        self._step = jax.jit(
-            step, static_argnames=("layout", "num_logprobs", "num_prompt_logprobs"), donate_argnums=(1, 2)
-        )
+        self._step = jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2))
+        self._prompt_logprobs = jax.jit(bind_prompt_logprobs(self.graphdef, products))
+        self._prompt_programs: dict[int, Callable] = {}  # tokens T -> compiled prompt_logprobs
         self._saved = step_cache(config.compilation_cache_dir)
         self._compiled: dict = {}
         self._not_run: dict = {}  # warm-up shapes never run yet -> their dummy (batch, sampling); see warmup
@@ -132,70 +140,91 @@ class ModelRunner:
         return pad_batch(schedule, self.shapes, self.block_size, self.max_blocks_per_seq)
 
     def sampling_tensors(self, rows: Sequence[SamplingRow], num_rows: int) -> SamplingTensors:
-        return step_sampling_tensors(
-            rows, num_rows, self.model_config.vocab_size, branch_free=self.branch_free
-        )
+        """Branch-free, top_k/top_p only when some row truncates (a variant warm-up compiles; see sampler.py)."""
+        return build_sampling_tensors(rows, num_rows, self.sampling_widths, truncation=not self.branch_free)
 
-    def dispatch(
-        self, step: PreparedStep, sampling: SamplingTensors, num_logprobs: int | None
-    ) -> PendingOutput:
+    def dispatch(self, step: PreparedStep, sampling: SamplingTensors) -> PendingOutput:
         """Start the step on the device and return at once (JAX dispatches asynchronously); its outputs follow
         to the host while the host goes on."""
-        packed, layout = pack((step.batch, sampling, step.prompt_targets))  # one transfer
-        compiled = self._compiled_for(layout, num_logprobs, step.num_prompt_logprobs)
-        self.kv_cache, self.last_tokens, sampled, prompt = compiled(
-            self.params, self.kv_cache, self.last_tokens, packed
+        packed, layout, wide = self._inputs(step, sampling)
+        compiled = self._compiled_for(layout, sampling.temperature.shape[0])
+        self.kv_cache, self.last_tokens, sampled, hidden = compiled(
+            self.params, self.kv_cache, self.last_tokens, packed, wide
         )
+        prompt = None
+        if step.prompt_targets is not None:
+            num_tokens = np.array([step.batch.query_start[step.batch.num_seqs[0]]], np.int32)
+            program = self._prompt_program(len(step.prompt_targets))
+            prompt = program(self.params, hidden, step.prompt_targets, num_tokens)
         return PendingOutput(sampled, prompt)
 
-    def _compiled_for(self, layout: PackedLayout, num_logprobs, num_prompt_logprobs=None):
-        key = (layout, num_logprobs, num_prompt_logprobs)
-        self._not_run.pop(key, None)
-        compiled = self._compiled.get(key)
+    def _inputs(self, step: PreparedStep, sampling: SamplingTensors):
+        """The step's packed buffer (one transfer), its layout, and the wide sampling fields: the host's where it
+        built them, the device's neutral ones elsewhere."""
+        small, wide = split_wide(sampling)
+        packed, layout = pack((step.batch, small))
+        neutral = self._neutral_wide[sampling.temperature.shape[0]]
+        return packed, layout, {name: neutral[name] if v is None else v for name, v in wide.items()}
+
+    def _compiled_for(self, layout: PackedLayout, num_rows: int):
+        self._not_run.pop(layout, None)
+        compiled = self._compiled.get(layout)
         if compiled is None:
             if self.warmed_up:
                 logger.warning(
-                    "compiling a new step shape after warm-up: %s, logprobs=%s, prompt logprobs=%s",
-                    [shape for shape, _, _ in layout.arrays],
-                    num_logprobs,
-                    num_prompt_logprobs,
+                    "compiling a new step shape after warm-up: %s", [shape for shape, _, _ in layout.arrays]
                 )
-            compiled = self._compiled[key] = self._compile(layout, num_logprobs, num_prompt_logprobs)
+            compiled = self._compiled[layout] = self._compile(layout, num_rows)
             self.num_compilations += 1
         return compiled
 
-    def _compile(self, layout: PackedLayout, num_logprobs, num_prompt_logprobs):
-        """The step for inputs of this layout: loaded from the executable cache, else traced, lowered and
-        compiled."""
+    def _compile(self, layout: PackedLayout, num_rows: int):
+        """The step for inputs of this layout (and `num_rows` sampled rows): loaded from the executable cache,
+        else traced, lowered and compiled."""
         packed = np.zeros(sum(int(np.prod(shape)) for shape, _, _ in layout.arrays), np.int32)
-        args = (self.params, self.kv_cache, self.last_tokens, packed)
+        args = (self.params, self.kv_cache, self.last_tokens, packed, self._neutral_wide[num_rows])
+        key = self._cache_key(args, str(layout.treedef), layout.arrays)
+        return self._saved.get_or_compile(key, lambda: self._step.lower(*args, layout=layout).compile())
+
+    def _cache_key(self, args, *extra) -> tuple:
+        """What an executable depends on: its arguments' tree, shapes, dtypes and shardings, the model, the
+        attention implementation, and `extra`."""
         leaves = [
             (np.shape(x), str(x.dtype), str(getattr(x, "sharding", "")))
             for x in jax.tree_util.tree_leaves(args)
         ]
-        key = (
+        return (
             str(jax.tree_util.tree_structure(args)),
             leaves,
-            str(layout.treedef),
-            layout.arrays,
+            *extra,
             repr(self.model_config),
             self.attention_impl,
-            num_logprobs,
-            num_prompt_logprobs,
         )
-        return self._saved.get_or_compile(
-            key,
-            lambda: self._step.lower(
-                *args, layout=layout, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs
-            ).compile(),
-        )
+
+    def _prompt_program(self, num_tokens: int):
+        """The compiled prompt_logprobs for steps of `num_tokens` tokens (warm-up compiles one per token size)."""
+        program = self._prompt_programs.get(num_tokens)
+        if program is None:
+            if self.warmed_up:
+                logger.warning("compiling prompt logprobs for %d tokens after warm-up", num_tokens)
+            program = self._prompt_programs[num_tokens] = self._compile_prompt_program(num_tokens)
+            self.num_compilations += 1
+        return program
+
+    def _compile_prompt_program(self, num_tokens: int):
+        replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh else None
+        shape = (num_tokens, self.model_config.hidden_size)
+        hidden = jax.ShapeDtypeStruct(shape, self.dtype, sharding=replicated)
+        args = (self.params, hidden, np.zeros(num_tokens, np.int32), np.zeros(1, np.int32))
+        key = self._cache_key(args, "prompt_logprobs")
+        return self._saved.get_or_compile(key, lambda: self._prompt_logprobs.lower(*args).compile())
 
     def compiled_step_texts(self, num_tokens: int | None = None) -> list[str]:
         """The optimised HLO of every step compiled so far, or of those of `num_tokens` tokens (what tests and
         benchmarks read collectives and loops from)."""
         return [
             compiled.as_text()
-            for (layout, _, _), compiled in self._compiled.items()
+            for layout, compiled in self._compiled.items()
             if num_tokens is None or layout.arrays[0][0] == (num_tokens,)  # the batch's token_ids come first
         ]
 
@@ -205,14 +234,14 @@ class ModelRunner:
         """A step of these shapes with no live sequence, with each sampling variant the host may choose for it
         (branch-free: with and without top-k/top-p)."""
         step = PreparedStep(dummy_batch(num_tokens, num_seqs, self.max_blocks_per_seq))
-        plain = self.sampling_tensors([], num_seqs)
-        return [
-            (step, tensors) for tensors in ([plain, with_truncation(plain)] if self.branch_free else [plain])
-        ]
+        variants = [self.sampling_tensors([], num_seqs)]
+        if self.branch_free:
+            variants.append(build_sampling_tensors([], num_seqs, self.sampling_widths))
+        return [(step, tensors) for tensors in variants]
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every (T, S) bucket pair that can occur, one compile per core at a time (XLA compiles outside
-        the GIL), then run each decode-sized shape (T <= max_num_seqs) once on its dummy batch (every token writes
+        """Compile every (T, S) bucket pair that can occur and the prompt-logprobs program of every T, one compile
+        per core at a time (XLA compiles outside the GIL), then run each decode-sized shape (T <= max_num_seqs) once on its dummy batch (every token writes
         to the null block 0, no sequence is live); returns the seconds taken.
 
         An executable's first run sets things up (XLA CPU builds each matmul's YNNPACK runtime then; see
@@ -223,26 +252,30 @@ class ModelRunner:
         jobs = []
         for t, s in self.shapes.all_shapes():
             for step, tensors in self._dummy_steps(t, s):
-                _, layout = pack((step.batch, tensors, None))
-                jobs.append((layout, step, tensors))
+                jobs.append((self._inputs(step, tensors)[1], step, tensors))
         with (
             ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
             tqdm(total=len(jobs), desc="warm-up (compiling step shapes)", disable=not progress) as bar,
         ):
-            futures = [(job, pool.submit(self._compile, job[0], None, None)) for job in jobs]
+            futures = [(job, pool.submit(self._compile, job[0], job[2].temperature.shape[0])) for job in jobs]
+            prompt_futures = {
+                t: pool.submit(self._compile_prompt_program, t) for t in self.shapes.token_sizes
+            }
             for (layout, step, tensors), future in futures:
-                key = (layout, None, None)
-                self._compiled[key] = future.result()
-                self._not_run[key] = (step, tensors)
+                self._compiled[layout] = future.result()
+                self._not_run[layout] = (step, tensors)
                 self.num_compilations += 1
                 bar.update(1)
+            for num_tokens, future in prompt_futures.items():
+                self._prompt_programs[num_tokens] = future.result()
+                self.num_compilations += 1
         for rows in self.copy_sizes:
             self._copy_program(rows)
         compiled_in = time.perf_counter() - start
         limit = self.config.max_num_seqs
         decode_sized = [(p, t) for p, t in self._not_run.values() if p.batch.token_ids.shape[0] <= limit]
         for step, tensors in tqdm(decode_sized, desc="warm-up (first runs)", disable=not progress):
-            self.dispatch(step, tensors, None).result()
+            self.dispatch(step, tensors).result()
         self.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info(
@@ -265,7 +298,7 @@ class ModelRunner:
         if not self._not_run:
             return False
         step, tensors = next(iter(self._not_run.values()))
-        self.dispatch(step, tensors, None).result()  # forgets the shape (_compiled_for)
+        self.dispatch(step, tensors).result()  # forgets the shape (_compiled_for)
         return True
 
     # ---- weights and memory between steps ----

@@ -1,25 +1,22 @@
 """On-device sampling with per-row parameters, so one compiled step mixes greedy and sampled requests.
 
-Shapes: S rows (padded batch), V vocabulary, H token-history width, B sparse logit-bias entries per row,
-A allowed ids per row, K top logprobs per row (0, 5 or 20).
+Shapes: S rows (padded batch), V vocabulary, H token-history width, B logit-bias entries per row, W bitmask words
+per row, K = MAX_LOGPROBS top logprobs.
 
-Stages, in vLLM v1's order: allowed_token_ids / bad words / min_tokens / logit_bias (one sparse additive bias
-and a vocabulary restriction) -> penalties (repetition on prompt+output, frequency and presence on output)
--> temperature -> min_p -> top_k -> top_p -> draw. Logprobs are of the raw logits (vLLM's "raw_logprobs").
+Stages, in vLLM v1's order: the token bitmask (allowed_token_ids, bad words, min_tokens, structured outputs) and
+logit_bias -> penalties (repetition on prompt+output, frequency and presence on output) -> temperature -> min_p
+-> top_k -> top_p -> draw. Logprobs are of the raw logits (vLLM's "raw_logprobs").
 
-Feature switches: optional fields of `SamplingTensors` are None when no row in the batch needs them, and `jit`
-specialises on which are None (the pytree structure), so the common path carries no extra inputs or work:
-  keys, steps                      None when every row is greedy (present, an all-greedy batch skips the draw)
-  top_k, top_p                     None when no row truncates (present but all off costs one lax.cond)
-  history, prompt_lens, *_penalty  None when no row has a penalty: skips the [S, H] scatter
-  bias_ids, bias_values            None when no row has logit_bias, an active bad word or an active min_tokens
-  allowed_ids, vocab_restricted    None when no row has allowed_token_ids
-Each combination that occurs is one compilation; the engine warms up the ones it expects.
+One program per shape: every input is present with a fixed shape (sampling_inputs.py), and a stage no row needs
+is skipped at run time, by `lax.cond` on a predicate read off the inputs (no row restricted, biased, penalised,
+asking for logprobs, sampling or truncating), so the common path does no extra work. The engine warms up nothing
+but the shapes.
 
 Branch-free (`branch_free=True`, what GPUs and TPUs run): no lax.cond, whose predicate XLA:GPU reads back to the
-host and which breaks its command buffers. Every row is drawn for and greedy rows take their argmax instead, and
-top_k/top_p come from one sort of the rows (fast on an accelerator); the host leaves top_k/top_p out when no row
-truncates, so that choice is a variant it makes.
+host and which breaks its command buffers. Every stage runs on its neutral inputs where unused (every token
+allowed, zero bias, zero penalties), every row is drawn for and greedy rows take their argmax instead, and top_k/
+top_p come from one sort of the rows (fast on an accelerator); the host leaves top_k/top_p out when no row
+truncates, so that choice is a variant it makes (two programs per shape).
 
 Randomness: a row's key is fold_in(key(seed), tokens generated so far), so a draw depends only on the request's
 seed and position, never on its row or the batch. The draw is a two-level inverse CDF with two uniforms per row
@@ -36,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.runner.sampling_inputs import SamplerOutput, SamplingTensors
-from jpaged.sampling_params import SAMPLING_EPS
+from jpaged.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
 
 TRUNCATION_CANDIDATES = (256, 4096)  # top_k/top_p look at this many best logits before bisecting
 CDF_BLOCK = 256  # block length of the two-level inverse-CDF draw
@@ -227,32 +224,50 @@ def _random_tokens(
     return _inverse_cdf(logits, cut, _uniforms(t.keys, t.steps))
 
 
-def _processed_logits(raw: jax.Array, t: SamplingTensors) -> jax.Array:
-    """allowed_token_ids, then the sparse bias (logit_bias, bad words, min_tokens), then penalties."""
+def _when(needed: jax.Array, stage, x: jax.Array, *, branch_free: bool) -> jax.Array:
+    """stage(x) where some row needs it, else x; branch-free, stage(x) always (its inputs are neutral where
+    unused)."""
+    if branch_free:
+        return stage(x)
+    return jax.lax.cond(needed, stage, lambda x: x, x)
+
+
+def allowed_tokens(bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """bool[S, V] from the int32 words [S, W]: bit j of word i is token 32 i + j."""
+    bits = jnp.right_shift(bitmask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(jnp.bool_)
+
+
+def _processed_logits(raw: jax.Array, t: SamplingTensors, *, branch_free: bool) -> jax.Array:
+    """The token bitmask, then logit_bias, then penalties."""
     vocab_size = raw.shape[-1]
-    logits = raw
-    if t.allowed_ids is not None:
-        allowed = _scatter_rows(t.allowed_ids, True, vocab_size, jnp.bool_, "set")
-        logits = jnp.where(allowed | ~t.vocab_restricted[:, None], logits, -jnp.inf)
-    if t.bias_ids is not None:
-        logits = logits + _scatter_rows(t.bias_ids, t.bias_values, vocab_size, jnp.float32, "add")
-    if t.history is not None:
-        logits = apply_penalties(
+
+    def restrict(logits):
+        return jnp.where(allowed_tokens(t.token_bitmask, vocab_size), logits, -jnp.inf)
+
+    def bias(logits):
+        return logits + _scatter_rows(t.bias_ids, t.bias_values, vocab_size, jnp.float32, "add")
+
+    def penalise(logits):
+        return apply_penalties(
             logits, t.history, t.prompt_lens, t.presence_penalty, t.frequency_penalty, t.repetition_penalty
         )
-    return logits
+
+    penalised = (t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1.0)
+    logits = _when(jnp.any(t.token_bitmask != -1), restrict, raw, branch_free=branch_free)
+    logits = _when(jnp.any(t.bias_ids < vocab_size), bias, logits, branch_free=branch_free)
+    return _when(jnp.any(penalised), penalise, logits, branch_free=branch_free)
 
 
 def gather_logprobs(
-    logits: jax.Array, token_ids: jax.Array, num_logprobs: int, peak: jax.Array | None = None
+    logits: jax.Array, token_ids: jax.Array, num_logprobs: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Logprobs of raw logits [N, V]: [N, 1 + K] values and ids (the given token, then the top K), and rank.
 
     Also serves prompt logprobs: pass the prompt positions' logits and the next prompt tokens. Never
     materialises log_softmax over V: ranks and top-K are read off the logits, then shifted by logsumexp.
-    `peak` (each row's max logit) saves a pass when the caller has it.
     """
-    peak = (jnp.max(logits, axis=-1) if peak is None else peak)[:, None]
+    peak = jnp.max(logits, axis=-1)[:, None]
     log_normaliser = peak + jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)
     rank = jnp.sum(logits >= chosen, axis=-1).astype(jnp.int32)  # vLLM counts ties as ahead
@@ -262,26 +277,31 @@ def gather_logprobs(
     return values, ids, rank
 
 
-def sample(
-    logits: jax.Array, t: SamplingTensors, *, num_logprobs: int | None, branch_free: bool = False
-) -> SamplerOutput:
-    """Device side: pick one token per row from logits [S, V]; `num_logprobs` is static (None, 0, 5, 20), and
-    so is `branch_free` (see the module doc)."""
+def sample(logits: jax.Array, t: SamplingTensors, *, branch_free: bool = False) -> SamplerOutput:
+    """Device side: pick one token per row from logits [S, V], with the top MAX_LOGPROBS logprobs when some row
+    asks (zeros otherwise); `branch_free` is static (see the module doc)."""
     raw = logits.astype(jnp.float32)
-    processed = _processed_logits(raw, t)
+    processed = _processed_logits(raw, t, branch_free=branch_free)
     greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     peak = jnp.take_along_axis(processed, greedy_ids[:, None], axis=-1)[:, 0]
-    token_ids = greedy_ids
-    if t.keys is not None:
-        greedy = t.temperature < SAMPLING_EPS
-        draw = lambda: _random_tokens(processed, peak, t, branch_free=branch_free)  # noqa: E731
-        if branch_free:
-            token_ids = jnp.where(greedy, greedy_ids, draw())
-        else:  # skipped at run time when every row is greedy, so one program serves both
-            token_ids = jax.lax.cond(
-                jnp.all(greedy), lambda: greedy_ids, lambda: jnp.where(greedy, greedy_ids, draw())
-            )
-    if num_logprobs is None:
-        return SamplerOutput(token_ids, None, None, None)
-    raw_peak = peak if processed is raw else None
-    return SamplerOutput(token_ids, *gather_logprobs(raw, token_ids, num_logprobs, raw_peak))
+    greedy = t.temperature < SAMPLING_EPS
+    draw = lambda: _random_tokens(processed, peak, t, branch_free=branch_free)  # noqa: E731
+    if branch_free:
+        token_ids = jnp.where(greedy, greedy_ids, draw())
+    else:  # skipped at run time when every row is greedy, so one program serves both
+        token_ids = jax.lax.cond(
+            jnp.all(greedy), lambda: greedy_ids, lambda: jnp.where(greedy, greedy_ids, draw())
+        )
+
+    def logprobs():
+        return gather_logprobs(raw, token_ids, MAX_LOGPROBS)
+
+    if branch_free:
+        return SamplerOutput(token_ids, *logprobs())
+    num_rows = raw.shape[0]
+    none = (
+        jnp.zeros((num_rows, 1 + MAX_LOGPROBS), jnp.float32),
+        jnp.zeros((num_rows, 1 + MAX_LOGPROBS), jnp.int32),
+        jnp.zeros(num_rows, jnp.int32),
+    )
+    return SamplerOutput(token_ids, *jax.lax.cond(jnp.any(t.wants_logprobs), logprobs, lambda: none))

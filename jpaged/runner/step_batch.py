@@ -32,19 +32,17 @@ class StepSchedule:
     block_tables: np.ndarray
     sample_rows: list[int]  # the scheduled index of each sampled row (a first token fans out to n rows)
     pending_rows: list[int]
-    # Sequences that compute prompt logprobs: (scheduled index, its prompt's token ids), and the top-K width.
+    # Sequences that compute prompt logprobs: (scheduled index, its prompt's token ids).
     prompt_logprob_seqs: list[tuple[int, Sequence[int]]] = field(default_factory=list)
-    num_prompt_logprobs: int | None = None
 
 
 @dataclass(slots=True)
 class PreparedStep:
     """A schedule as padded device inputs. With prompt logprobs, `prompt_targets` [T] holds each token's next
-    prompt token (the target of its logprob) and the batch asks for every token's logits after the sampled rows."""
+    prompt token (the target of its logprob), for the prompt-logprobs program after the step."""
 
     batch: StepBatch
     prompt_targets: np.ndarray | None = None
-    num_prompt_logprobs: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -95,8 +93,6 @@ def pad_batch(schedule: StepSchedule, shapes: StepShapes, block_size: int, table
     num_logits = len(sample_rows)
     prompt_targets = None
     if schedule.prompt_logprob_seqs:
-        num_logits = s_bucket + t_bucket  # the sampled rows' padding included
-        logits_indices = np.concatenate([logits_indices, np.arange(t_bucket, dtype=np.int32)])
         prompt_targets = np.zeros(t_bucket, np.int32)
         for i, prompt in schedule.prompt_logprob_seqs:
             start, first = query_start[i], computed[i]
@@ -114,7 +110,7 @@ def pad_batch(schedule: StepSchedule, shapes: StepShapes, block_size: int, table
         logits_indices,
         np.array([num_logits], np.int32),
     )
-    return PreparedStep(batch, prompt_targets, schedule.num_prompt_logprobs)
+    return PreparedStep(batch, prompt_targets)
 
 
 def dummy_batch(num_tokens: int, num_seqs: int, table_width: int) -> StepBatch:
