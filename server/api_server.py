@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from jpaged_server.body_limit import BodySizeLimitMiddleware
 from jpaged_server.chat_template import chat_prompt_ids, load_chat_template
-from jpaged_server.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
+from jpaged_server.cli import DEFAULT_MAX_REQUEST_BODY_BYTES, auto_tool_parser
 from jpaged_server.errors import APIError, error_response, install_error_handlers
 from jpaged_server.lifecycle import GracefulServer
 from jpaged_server.metrics import ServerMetrics
@@ -46,6 +46,8 @@ def build_app(
     *,
     max_waiting_requests: int = 256,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    auto_tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running engine, warmed up (AsyncLLMEngine.from_config returns after its
     warm-up): its /ready is 200 from the start. The caller owns the engine (and shuts it down)."""
@@ -57,6 +59,8 @@ def build_app(
         api_key=api_key,
         chat_template=chat_template,
         max_waiting_requests=max_waiting_requests,
+        auto_tool_parser=auto_tool_parser,
+        reasoning_parser=reasoning_parser,
     )
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, state=app.state.server)
@@ -157,6 +161,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.shutdown_grace_period < 0:
         raise ValueError(f"shutdown_grace_period must be >= 0 seconds, got {args.shutdown_grace_period}")
     chat_template = load_chat_template(args.chat_template)
+    tool_parser = auto_tool_parser(args)
 
     def load() -> FastAPI:
         return build_app(
@@ -166,6 +171,8 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             chat_template,
             max_waiting_requests=args.max_waiting_requests,
             max_request_body_bytes=args.max_request_body_bytes,
+            auto_tool_parser=tool_parser,
+            reasoning_parser=args.reasoning_parser,
         )
 
     startup = StartupApp()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from jpaged_server.reasoning_parsers import REASONING_PARSERS
+from jpaged_server.tool_parsers import TOOL_PARSERS
+
 from jpaged.config import EngineConfig
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20  # far above the JSON of any prompt a max_model_len admits
@@ -35,6 +38,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies get 413 before they are read whole",
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    parser.add_argument(
+        "--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help="the model's tool-call format"
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split <think> reasoning into message.reasoning",
+    )
+
+
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """The tool parser for tool_choice "auto", or None when it is off; the pair of flags is checked here."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -26,6 +26,32 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(RequestModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs`: exactly one of these (jpaged.sampling_params.StructuredOutputsParams)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(RequestModel):
     """Fields both generation endpoints share; `None` means OpenAI's (or vLLM's) default."""
 
@@ -54,6 +80,8 @@ class SamplingRequest(RequestModel):
     use_beam_search: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -69,17 +97,31 @@ class TextContentPart(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallMessage(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's reply names the call it answers
+    reasoning: str | None = None  # an earlier reply's thinking, as this server returned it
+    reasoning_content: str | None = None
     # What the openai client writes back when an earlier response message is appended to the conversation;
-    # accepted only while empty, as tools and audio are not supported.
+    # accepted only while empty, as audio is not supported.
     refusal: None = None
     annotations: Annotated[list[Any], Field(max_length=0)] | None = None
     audio: None = None
     function_call: None = None
-    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -87,8 +129,32 @@ class ChatMessage(RequestModel):
         return self.content or ""
 
 
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -168,9 +234,36 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_present(self, handler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
+    """`reasoning` (and `reasoning_content`, its older name) and `tool_calls` appear only when there are some."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_present(self, handler) -> dict:
+        optional = ("reasoning", "reasoning_content", "tool_calls")
+        return {
+            key: value for key, value in handler(self).items() if value is not None or key not in optional
+        }
 
 
 class ChatChoice(BaseModel):
@@ -190,9 +283,23 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None  # id, type and name in a call's first delta only
+    type: Literal["function"] | None = None
+    function: FunctionCallOut
+
+    @model_serializer(mode="wrap")
+    def _only_present(self, handler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _only_present(self, handler) -> dict:

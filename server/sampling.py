@@ -13,7 +13,12 @@ from jpaged_server.errors import APIError, bad_request
 from jpaged_server.protocol import SamplingRequest
 
 from jpaged.engine.llm_engine import LLMEngine
-from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from jpaged.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -48,7 +53,13 @@ def resolve_max_tokens(
     return requested
 
 
-def sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    request: SamplingRequest,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     """SamplingParams for one prompt of `request`; ValueErrors become 400s naming the field.
 
     A stream asks the engine for DELTA outputs (only what is new: no copy of the growing token list and text every
@@ -82,6 +93,7 @@ def sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: int 
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs,
         )
     except ValueError as err:
         raise bad_request(err, SAMPLING_FIELDS) from None

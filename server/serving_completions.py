@@ -15,9 +15,10 @@ from jpaged_server.protocol import CompletionChoice, CompletionRequest, Completi
 from jpaged_server.sampling import check_for_engine, resolve_max_tokens, sampling_params
 from jpaged_server.state import ServerState, get_state
 from jpaged_server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
+from jpaged_server.structured_request import check_compiles, requested_spec
 
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import BeamSearchParams
+from jpaged.sampling_params import BeamSearchParams, StructuredOutputsParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -33,7 +34,9 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _engine_inputs(state: ServerState, body: CompletionRequest) -> tuple[list[EngineInput], list[str]]:
+def _engine_inputs(
+    state: ServerState, body: CompletionRequest, spec: StructuredOutputsParams | None
+) -> tuple[list[EngineInput], list[str]]:
     """Token ids and params of every prompt, validated; and each prompt's text (for echo)."""
     engine = state.engine.engine
     inputs, texts = [], []
@@ -55,7 +58,9 @@ def _engine_inputs(state: ServerState, body: CompletionRequest) -> tuple[list[En
         if body.use_beam_search:
             params = _beam_search_params(body, max_tokens)
         else:
-            params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+            params = sampling_params(
+                body, max_tokens=max_tokens, logprobs=body.logprobs, structured_outputs=spec
+            )
             if body.echo and body.logprobs is not None:  # the echoed prompt carries its logprobs too
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         check_for_engine(engine, ids, params, "prompt")
@@ -103,7 +108,13 @@ def _beam_search_params(body: CompletionRequest, max_tokens: int) -> BeamSearchP
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
-    inputs, prompt_texts = _engine_inputs(state, body)
+    spec = None
+    if (constraint := requested_spec(body)) is not None:
+        spec, param = constraint
+        if body.use_beam_search:
+            raise APIError(400, f"{param} cannot be combined with use_beam_search", param)
+        await check_compiles(state, spec, param)
+    inputs, prompt_texts = _engine_inputs(state, body, spec)
     state.admit()
     request_id = f"cmpl-{uuid.uuid4().hex}"
     outputs = generate_outputs(

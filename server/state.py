@@ -29,6 +29,8 @@ class ServerState:
         default_factory=asyncio.Event
     )  # set when the grace period ends: abort the rest
     in_flight: int = 0  # generation requests (HTTP) being served
+    auto_tool_parser: str | None = None  # --tool-call-parser, when --enable-auto-tool-choice is on
+    reasoning_parser: str | None = None  # --reasoning-parser
 
     @property
     def max_model_len(self) -> int:

@@ -91,7 +91,7 @@ CHAT_CASES = {
         "messages.0.content",
         "content",
     ),
-    "tools": ({"messages": HI, "tools": []}, "tools", "tools"),
+    "legacy_functions": ({"messages": HI, "functions": []}, "functions", "functions"),  # tools replaced it
     "more_samples_than_max_num_seqs": ({"messages": HI, "n": 9}, "n", "max_num_seqs"),
     "beam_search": ({"messages": HI, "use_beam_search": True}, "use_beam_search", "/v1/completions"),
     "top_logprobs_without_logprobs": ({"messages": HI, "top_logprobs": 2}, "top_logprobs", "logprobs"),

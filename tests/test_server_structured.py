@@ -1,0 +1,167 @@
+"""The request surface of structured outputs and tools: what is refused up front with a 400 naming the problem
+(a schema, regex or grammar that does not compile, conflicting constraints, a tool_choice the server cannot
+serve), and the reply assembled from a model's text (reasoning, then tool calls), whole and streamed alike."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from jpaged_server.api_server import build_app
+from jpaged_server.chat_message import ReplyFormat, StreamingReply
+from jpaged_server.reasoning_parsers import REASONING_PARSERS
+from jpaged_server.tool_parsers import HermesFormat
+from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
+
+from jpaged.config import EngineConfig
+
+HI = [{"role": "user", "content": "Hi"}]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def http(tiny_model_dir):
+    engine = shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
+    with (
+        serve_in_thread(build_app(engine, "tiny")) as running,
+        httpx.Client(base_url=running.base_url) as client,
+    ):
+        client.timeout = 120
+        yield client
+
+
+def assert_400(response: httpx.Response, param: str, *words: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error["message"]
+
+
+CHAT_REFUSALS = {
+    "schema_that_does_not_compile": (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "frob"}},
+            }
+        },
+        "response_format",
+        ["invalid JSON schema", "frob"],
+    ),
+    "json_schema_without_schema": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format",
+        ["json_schema.schema"],
+    ),
+    "regex_that_does_not_compile": (
+        {"structured_outputs": {"regex": "a(b"}},
+        "structured_outputs",
+        ["invalid regex", "unclosed group"],
+    ),
+    "two_constraints_in_structured_outputs": (
+        {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+        "structured_outputs",
+        ["exactly one"],
+    ),
+    "both_fields": (
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}},
+        "structured_outputs",
+        ["not both"],
+    ),
+    "auto_tool_choice_without_the_server_flag": (
+        {"tools": [WEATHER_TOOL]},
+        "tool_choice",
+        ["--enable-auto-tool-choice"],
+    ),
+    "named_tool_that_is_not_given": (
+        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+        ["'nope'"],
+    ),
+    "tool_choice_without_tools": ({"tool_choice": "required"}, "tool_choice", ["needs tools"]),
+    "forced_tool_and_response_format": (
+        {"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "response_format",
+        ["forced tool_choice"],
+    ),
+    "tool_parameters_that_do_not_compile": (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+        ["invalid JSON schema"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CHAT_REFUSALS.values(), ids=CHAT_REFUSALS.keys())
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_refuses_with_a_400_naming_the_problem(http, case, stream):
+    extra, param, words = case
+    response = http.post("/v1/chat/completions", json={"messages": HI, "stream": stream, **extra})
+    assert_400(response, param, *words)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_refuse_a_grammar_that_does_not_compile(http, stream):
+    body = {"prompt": "x", "stream": stream, "structured_outputs": {"grammar": "start: undefined_rule"}}
+    assert_400(http.post("/v1/completions", json=body), "structured_outputs", "invalid grammar")
+
+
+def test_tools_with_tool_choice_none_reach_the_template_and_the_reply_is_text(http):
+    body = {"messages": HI, "tools": [WEATHER_TOOL], "tool_choice": "none", "max_tokens": 4}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    assert (
+        message["role"] == "assistant" and isinstance(message["content"], str) and "tool_calls" not in message
+    )
+
+
+def test_an_earlier_tool_call_and_its_result_go_back_through_the_template(http):
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    messages = [
+        *HI,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    body = {"messages": messages, "tools": [WEATHER_TOOL], "tool_choice": "none", "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+REPLY = (
+    "<think>\nThe user wants weather.\n</think>\n\nChecking.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+)
+
+
+def test_a_reply_splits_into_reasoning_content_and_tool_calls_whole_and_streamed_alike():
+    fmt = ReplyFormat(REASONING_PARSERS["qwen3"], HermesFormat())
+    whole = fmt.message(REPLY).model_dump()
+    assert whole["reasoning"] == whole["reasoning_content"] == "The user wants weather."
+    assert whole["content"] == "Checking."
+    [call] = whole["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    for size in (1, 3, 7):
+        streaming = StreamingReply(fmt)
+        deltas = [streaming.feed(REPLY[i : i + size]) for i in range(0, len(REPLY), size)]
+        deltas.append(streaming.finish())
+        dumped = [d.model_dump() for d in deltas]
+        assert "".join(d.get("reasoning", "") for d in dumped).strip() == whole["reasoning"]
+        assert "".join(d.get("content", "") for d in dumped).strip() == whole["content"]
+        pieces = [c for d in dumped for c in d.get("tool_calls", [])]
+        assert pieces[0]["id"].startswith("call_") and pieces[0]["function"]["name"] == "get_weather"
+        assert "".join(p["function"].get("arguments", "") for p in pieces) == call["function"]["arguments"]
+        assert streaming.called
