@@ -4,10 +4,13 @@ serve), and the reply assembled from a model's text (reasoning, then tool calls)
 
 from __future__ import annotations
 
+import argparse
+
 import httpx
 import pytest
 from jpaged_server.api_server import build_app
 from jpaged_server.chat_message import ReplyFormat, StreamingReply
+from jpaged_server.cli import add_server_args, auto_tool_parser
 from jpaged_server.reasoning_parsers import REASONING_PARSERS
 from jpaged_server.tool_parsers import HermesFormat
 from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
@@ -165,3 +168,15 @@ def test_a_reply_splits_into_reasoning_content_and_tool_calls_whole_and_streamed
         assert pieces[0]["id"].startswith("call_") and pieces[0]["function"]["name"] == "get_weather"
         assert "".join(p["function"].get("arguments", "") for p in pieces) == call["function"]["arguments"]
         assert streaming.called
+
+
+def test_serve_flags_turn_on_auto_tool_choice_only_with_a_parser():
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert auto_tool_parser(parser.parse_args([])) is None
+    assert auto_tool_parser(parser.parse_args(["--tool-call-parser", "hermes"])) is None  # parser alone: off
+    on = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert auto_tool_parser(on) == "llama3_json"
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        auto_tool_parser(parser.parse_args(["--enable-auto-tool-choice"]))
+    assert parser.parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
