@@ -80,6 +80,7 @@ class SequenceState:
     num_pending: int = 0
     pending_row: int = -1
     max_num_tokens: int = 2**62  # where it ends for length (max_tokens, max_model_len), set by the engine
+    grammar: Any = None  # structured outputs: its jpaged.structured.GrammarMatcher, set once it compiled
 
     @property
     def num_tokens(self) -> int:

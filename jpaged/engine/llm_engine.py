@@ -23,6 +23,7 @@ from jpaged.core.prefix_doctor import SAMPLE, PrefixHint
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Request, SequenceState, SequenceStatus
 from jpaged.engine.beam_driver import BeamDriver
+from jpaged.engine.constrained_decoding import ConstrainedDecoding
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.scheduled_step import InFlightStep, ScheduledStep, scheduled_step
 from jpaged.engine.startup import for_this_platform, size_kv_cache
@@ -87,7 +88,10 @@ class LLMEngine:
             requeue=self.scheduler.requeue,
             finish=self.scheduler.finish,
         )
-        self.sampling = StepSampling(self.runner.sampling_tensors, (mc.eos_token_ids or (None,))[0])
+        self.constrained = ConstrainedDecoding(self.tokenizer, mc.vocab_size, mc.eos_token_ids or ())
+        self.sampling = StepSampling(
+            self.runner.sampling_tensors, (mc.eos_token_ids or (None,))[0], self.constrained.bitmasks
+        )
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self._next_seq_id = 0
@@ -147,7 +151,10 @@ class LLMEngine:
             self.beams.active.add(request_id)
         seq = self._new_seq(request, list(token_ids), index=0)
         self.outputs.attach(seq)
-        self.scheduler.add(seq)
+        if params.structured_outputs is None:
+            self.scheduler.add(seq)
+        else:
+            self.constrained.hold(seq)  # scheduled once its grammar compiled
         self.requests[request_id] = request
         if self._prefix_hint and (advice := self._prefix_hint.observe(request_id, token_ids)):
             logger.warning("prefix caching, from the first %d requests: %s", SAMPLE, advice)
@@ -190,6 +197,7 @@ class LLMEngine:
         if in_flight is not None and any(seq.request is request for seq in in_flight.scheduled.seqs):
             self._held += self._complete(self._take_in_flight())  # no output of its own: it is popped
         self.beams.active.discard(request_id)
+        self.constrained.discard(request_id)
         for seq in request.seqs:
             self.outputs.abort(seq)
             self.scheduler.finish(seq)
@@ -247,6 +255,7 @@ class LLMEngine:
         device's, and its outputs come from the next call. A step whose results the next schedule needs (forks
         for n > 1, beam searches, sampling inputs that read the tokens) is processed in the call that starts it,
         as every step is without async scheduling."""
+        self._admit_constrained()
         outputs, self._held = self._held, []
         scheduled = self._schedule()
         launched = None if scheduled is None else self._launch(scheduled)
@@ -258,6 +267,21 @@ class LLMEngine:
             self._in_flight = launched
             return outputs
         return outputs + self._complete(launched)
+
+    def _admit_constrained(self) -> None:
+        """Schedule the requests whose grammar compiled; end those whose grammar did not (abort, logged). With
+        nothing else to run, wait a little for a grammar rather than spin."""
+        constrained = self.constrained
+        if not constrained.num_waiting:
+            return
+        if not self.scheduler.num_unfinished and self._in_flight is None and not self._held:
+            constrained.wait(timeout=0.05)
+        ready, failed = constrained.ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        for request, error in failed:
+            logger.warning("request %s: structured outputs: %s", request.request_id, error)
+            self._held.append(self.abort_request(request.request_id))
 
     def _take_in_flight(self) -> InFlightStep:
         step, self._in_flight = self._in_flight, None
@@ -368,6 +392,7 @@ class LLMEngine:
         child = self._new_seq(parent.request, list(parent.token_ids), index=len(parent.request.seqs))
         child.num_computed_tokens = parent.num_computed_tokens
         child.prefix_matched = True
+        child.grammar = parent.grammar.fork() if parent.grammar is not None else None
         self.blocks.fork(parent.seq_id, child.seq_id)
         self.outputs.attach(child)
         self.scheduler.add_running(child)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jpaged.core.sequence import Request, SequenceState
+from jpaged.engine.constrained_decoding import advance
 from jpaged.engine.detokenizer import IncrementalDetokenizer, decode_output
 from jpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jpaged.runner.sampling_inputs import SamplerOutput
@@ -71,7 +72,9 @@ class OutputProcessor:
                 seq.text += detokenizer.add_tokens((token,))
             num_tokens = len(token_ids)
             num_output = num_tokens - len(request.prompt_token_ids)
-            if num_output >= params.min_tokens:
+            if advance(seq, token):  # its grammar is complete: nothing but EOS could follow
+                seq.finish_reason = "stop"
+            elif num_output >= params.min_tokens:
                 if token in eos_token_ids and not params.ignore_eos:
                     seq.finish_reason = "stop"
                 elif params.stop_token_ids and token in params.stop_token_ids:

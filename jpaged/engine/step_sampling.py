@@ -28,6 +28,7 @@ def has_static_sampling(params: SamplingParams) -> bool:
         and not params.presence_penalty
         and not params.frequency_penalty
         and params.repetition_penalty == 1.0
+        and params.structured_outputs is None
     )
 
 
@@ -55,10 +56,14 @@ class StepSampling:
     """Per-engine cache of sampler inputs (see the module doc); `inputs` is called once per step."""
 
     def __init__(
-        self, build: Callable[[Sequence[SamplingRow], int], SamplingTensors], eos_token_id: int | None
+        self,
+        build: Callable[[Sequence[SamplingRow], int], SamplingTensors],
+        eos_token_id: int | None,
+        bitmasks: Callable[[Sequence[SequenceState]], list],
     ) -> None:
         self._build = build  # ModelRunner.sampling_tensors
         self._eos_token_id = eos_token_id
+        self._bitmasks = bitmasks  # ConstrainedDecoding.bitmasks
         self._plain: dict[int, SamplingTensors] = {}  # inputs of plain greedy rows, by row count
         # The previous step's static rows and their inputs: (row_seqs, tensors, num_rows).
         self._static: tuple[list[SequenceState], SamplingTensors, int] | None = None
@@ -87,8 +92,11 @@ class StepSampling:
                     None if seq.request.params.ignore_eos else self._eos_token_id,
                     seq.request.bad_words_token_ids,
                     seq.num_pending,
+                    grammar_bitmask,
                 )
-                for seq, seed in zip(row_seqs, _row_seeds(row_seqs), strict=True)
+                for seq, seed, grammar_bitmask in zip(
+                    row_seqs, _row_seeds(row_seqs), self._bitmasks(row_seqs), strict=True
+                )
             ]
             tensors = self._build(sampling_rows, num_rows)
         self._static = (row_seqs, tensors, num_rows) if all_static else None

@@ -160,6 +160,9 @@ class LLM:
         params: list[SamplingParams] | list[BeamSearchParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
+        for p in params:  # offline, a grammar that does not compile is the caller's ValueError, up front
+            if isinstance(p, SamplingParams) and p.structured_outputs is not None:
+                self.engine.constrained.compile(p.structured_outputs)
         ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

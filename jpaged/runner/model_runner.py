@@ -101,7 +101,7 @@ class ModelRunner:
         # The wide sampling fields of rows that need none, per row count: kept on the device, never re-sent.
         self._neutral_wide = {
             seqs: jax.device_put(neutral_wide(seqs, self.sampling_widths), replicated)
-            for seqs in self.shapes.seq_sizes
+            for seqs in {s for _, s in self.shapes.all_shapes()}
         }
         if self.mesh:
             logger.info(

@@ -36,6 +36,7 @@ class SamplingRow:
     eos_token_id: int | None = None  # banned together with stop_token_ids until min_tokens are generated
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # from engine.tokenizer.tokenize_bad_words
     num_pending: int = 0  # tokens it has sampled that are still on the device (async scheduling)
+    grammar_bitmask: np.ndarray | None = None  # structured outputs: i32[W], the tokens its grammar allows now
 
 
 class SamplingTensors(NamedTuple):
@@ -109,8 +110,9 @@ def _bans(row: SamplingRow) -> list[int]:
     return banned
 
 
-def _bitmask(allowed: Sequence[int] | None, banned: Sequence[int], widths: SamplingWidths) -> np.ndarray:
-    """One row's words: `allowed` (None: every token) less `banned`."""
+def _bitmask(row: SamplingRow, banned: Sequence[int], widths: SamplingWidths) -> np.ndarray:
+    """One row's words: its grammar's tokens and its allowed_token_ids (None: every token), less `banned`."""
+    allowed = row.params.allowed_token_ids
     words = np.zeros(widths.bitmask_words, np.uint32)
     if allowed is None:
         words[:] = _UINT32
@@ -120,6 +122,8 @@ def _bitmask(allowed: Sequence[int] | None, banned: Sequence[int], widths: Sampl
     if banned:
         ids = np.asarray(banned, np.int64)
         np.bitwise_and.at(words, ids >> 5, ~np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+    if row.grammar_bitmask is not None:
+        words &= row.grammar_bitmask.view(np.uint32)
     return words.view(np.int32)
 
 
@@ -173,11 +177,10 @@ def build_sampling_tensors(
             [list(b.values()) for b in biases], num_rows, widths.bias_len, 0.0, np.float32
         )
     bans = [_bans(r) for r in rows]
-    if any(bans) or any(p.allowed_token_ids is not None for p in params):
+    restricted = any(p.allowed_token_ids is not None for p in params)
+    if any(bans) or restricted or any(r.grammar_bitmask is not None for r in rows):
         neutral = neutral_wide(1, widths)["token_bitmask"][0]
-        masks = [
-            _bitmask(p.allowed_token_ids, banned, widths) for p, banned in zip(params, bans, strict=True)
-        ]
+        masks = [_bitmask(row, banned, widths) for row, banned in zip(rows, bans, strict=True)]
         fields["token_bitmask"] = np.stack(masks + [neutral] * pad)
     return SamplingTensors(**fields)
 
