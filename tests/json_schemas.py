@@ -16,7 +16,8 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
         low = rng.randint(-50, 50)
         return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 100)}
     if kind == "number":
-        return {"type": "number", "exclusiveMinimum": 0, "maximum": rng.choice([1, 10, 1000])}
+        # Not exclusiveMinimum 0: a greedy model then writes 0.000... for ever, each digit keeping it valid.
+        return {"type": "number", "minimum": rng.choice([-5, 0]), "maximum": rng.choice([1, 10, 1000])}
     if kind == "string":
         return {"type": "string", "maxLength": rng.randint(1, 12)}
     if kind == "boolean":
