@@ -16,7 +16,7 @@ from fastapi import Request
 from jpaged_server.errors import APIError
 from jpaged_server.state import ServerState
 
-from jpaged.engine.async_engine import EngineDeadError
+from jpaged.engine.async_engine import EngineDeadError, StepFailedError
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
 
@@ -55,7 +55,8 @@ async def generate_outputs(
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (input index, output) until every engine request finished.
 
-    Raises GenerationStopped on disconnect or shutdown, APIError(503) if the engine loop died.
+    Raises GenerationStopped on disconnect or shutdown, APIError(503) if the engine loop died, APIError(500) if a
+    step that ran this request failed.
     """
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -92,6 +93,8 @@ async def generate_outputs(
                 remaining -= 1
             elif isinstance(item, EngineDeadError):
                 raise APIError(503, f"the engine is not running: {item}")
+            elif isinstance(item, StepFailedError):  # this request's step failed; the engine serves on
+                raise APIError(500, str(item))
             elif isinstance(item, ValueError):  # validated up front; kept so a gap there is still a 400
                 raise APIError(400, str(item))
             elif isinstance(item, BaseException):

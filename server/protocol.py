@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_serializer
 
 TokenIds = list[StrictInt]
 
@@ -20,6 +20,31 @@ MAX_STOP_STRINGS = 128  # each is looked for in every new piece of text: bounded
 class RequestModel(BaseModel):
     # NaN and infinity (Python's json reads them) are no number a client means: a 400 naming the field.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _check_unicode(cls, value: Any) -> Any:
+        """JSON may escape half a UTF-16 surrogate pair ("\\ud800"), which is no character: the tokenizer (or any
+        UTF-8 encoder) fails on it, so it is a 400 naming the field."""
+        _check_unicode(value)
+        return value
+
+
+def _check_unicode(value: Any) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "holds an unpaired UTF-16 surrogate (\\ud800-\\udfff), which is no character"
+            ) from None
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
 
 
 class StreamOptions(RequestModel):

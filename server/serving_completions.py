@@ -46,7 +46,7 @@ def _engine_inputs(
             texts.append(prompt)
         else:
             ids = list(prompt)
-            texts.append(engine.tokenizer.decode(ids) if body.echo else "")
+            texts.append("")  # the echoed text, decoded once the ids are known to be in the vocabulary
         max_tokens = resolve_max_tokens(
             body.max_tokens,
             DEFAULT_MAX_TOKENS,
@@ -64,6 +64,8 @@ def _engine_inputs(
             if body.echo and body.logprobs is not None:  # the echoed prompt carries its logprobs too
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         check_for_engine(engine, ids, params, "prompt")
+        if body.echo and not isinstance(prompt, str):
+            texts[-1] = engine.tokenizer.decode(ids)
         inputs.append(EngineInput(ids, params))
     return inputs, texts
 

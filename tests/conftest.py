@@ -137,3 +137,15 @@ def tiny_llama(tiny_llama_dir):
     from jpaged.models.loader import load_model
 
     return load_model(str(tiny_llama_dir), progress=False)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The figures the reliability tests recorded (figures.py), shown whether or not -s is on."""
+    from figures import FIGURES
+
+    if FIGURES:
+        terminalreporter.section("figures")
+        for title, text in FIGURES:
+            terminalreporter.write_line(f"{title}:")
+            for line in text.splitlines():
+                terminalreporter.write_line(f"  {line}")

@@ -76,3 +76,18 @@ def test_bad_input_raises_value_error_naming_the_field(x_shape, x_dtype, n, opti
 def test_float16_is_not_taken():
     assert cpu_matmul.supports(jnp.float32) and cpu_matmul.supports(jnp.bfloat16)
     assert not cpu_matmul.supports(jnp.float16)
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
+    """A library linked with -ffast-math turns on flush-to-zero in the process that loads it (crtfastmath.o): no
+    Python code after it could hold a subnormal float (hypothesis refuses to generate floats then). A fresh process,
+    so that the load happens on the thread that checks."""
+    import subprocess
+    import sys
+
+    check = (
+        "from jpaged.pallas.cpu import library; library.require(); "
+        "tiny = 2.2250738585072014e-308; assert tiny / 2 != 0.0, 'subnormals flushed to zero'"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -1,15 +1,20 @@
 """Whatever a client sends, the server answers 200 or a 4xx in OpenAI's error shape, never a 5xx, and leaves no
-request running and no KV block held."""
+request running and no KV block held: hand-picked odd values per field, and schemathesis's cases generated from the
+server's own OpenAPI schema (every operation, valid and invalid bodies)."""
 
 from __future__ import annotations
 
+import collections
 import json
 
 import httpx
 import pytest
+import schemathesis
+from figures import record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jpaged_server.api_server import build_app
+from schemathesis import GenerationMode
 from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
 
 from jpaged.config import EngineConfig
@@ -149,3 +154,77 @@ def test_any_completion_body_gets_200_or_a_4xx_and_holds_nothing(http, engine, b
 def test_any_chat_body_gets_200_or_a_4xx_and_holds_nothing(http, engine, body):
     check_answer(http, "/v1/chat/completions", body)
     assert_nothing_held(engine)
+
+
+# schemathesis: cases from the schema the server serves at /openapi.json, for every operation in it. A context of 64
+# tokens keeps each generated request to a few dozen steps of the tiny model (generated text prompts are mostly
+# longer: 400s), so a few hundred cases take about a minute on two cores.
+FUZZ_ENGINE_ARGS = {**SMALL_ENGINE_ARGS, "max_model_len": 64}
+EXAMPLES_PER_OPERATION = {"POST": 130, "GET": 5}  # a GET without parameters has one case, whatever is asked
+MIN_CASES = 500
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_model_dir):
+    engine = shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **FUZZ_ENGINE_ARGS))
+    with serve_in_thread(build_app(engine, "tiny")) as running:
+        yield running, engine
+
+
+def check_schemathesis_answer(case, response) -> None:
+    label = f"{case.method} {case.path} {case.body!r:.500}"
+    assert response.status_code < 500, (label, response.text[:500])
+    if response.status_code >= 400:
+        error = json.loads(response.text)["error"]
+        assert set(error) == {"message", "type", "param", "code"}, (label, response.text[:500])
+        assert error["code"] == response.status_code, (label, response.text[:500])
+
+
+def fuzz(operation, mode: GenerationMode, examples: int, base_url: str, counts: collections.Counter) -> None:
+    """`examples` cases of one operation, each sent to the live server and checked; statuses counted."""
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(mode))
+    def run(case) -> None:
+        response = case.call(base_url=base_url, timeout=60)  # a hang fails the case
+        counts[response.status_code] += 1
+        check_schemathesis_answer(case, response)
+
+    run()
+
+
+def test_schemathesis_cases_from_the_servers_own_schema_get_no_5xx(fuzz_server):
+    running, engine = fuzz_server
+    schema = schemathesis.openapi.from_url(f"{running.base_url}/openapi.json")
+    statuses: dict[str, collections.Counter] = {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        method = operation.method.upper()
+        name = f"{method} {operation.path}"
+        counts = statuses[name] = collections.Counter()
+        modes = [GenerationMode.POSITIVE]
+        if operation.body:  # a negative case needs something to break: an operation without inputs has none
+            modes.append(GenerationMode.NEGATIVE)
+        for mode in modes:
+            fuzz(operation, mode, EXAMPLES_PER_OPERATION[method] // len(modes), running.base_url, counts)
+        assert_nothing_held(engine)
+    total = sum(sum(c.values()) for c in statuses.values())
+    server_errors = sum(n for c in statuses.values() for status, n in c.items() if status >= 500)
+    record(
+        "schemathesis fuzzing (tests/test_server_fuzz.py)",
+        "\n".join(
+            [f"{total} cases, {server_errors} 5xx, {len(statuses)} operations"]
+            + [f"{name}: {dict(sorted(c.items()))}" for name, c in statuses.items()]
+        ),
+    )
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"} <= set(
+        statuses
+    )
+    assert all(sum(c.values()) for c in statuses.values()), statuses
+    assert total >= MIN_CASES, statuses

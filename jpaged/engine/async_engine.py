@@ -25,6 +25,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an exception; the server reports unhealthy."""
 
 
+class StepFailedError(RuntimeError):
+    """A step raised while this request ran in it: the request is aborted (its blocks freed), the engine goes on."""
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -94,6 +98,8 @@ class AsyncLLMEngine:
         try:
             while not finished:
                 item = await queue.get()
+                if isinstance(item, StepFailedError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine loop failed") from item
                 finished = item.finished
@@ -130,7 +136,10 @@ class AsyncLLMEngine:
                     ]
                     busy = self.engine.has_unfinished()
                     if busy:
-                        outputs += self.engine.step()
+                        try:
+                            outputs += self.engine.step()
+                        except Exception as err:
+                            self._fail_step(err)
                     elif not self._stopping:
                         busy = self.engine.warm_up_while_idle()
                     deliveries = [(self._streams.get(o.request_id), o) for o in outputs]
@@ -150,6 +159,20 @@ class AsyncLLMEngine:
             self.error = err
             for stream in list(self._streams.values()):
                 _deliver(stream, err)
+
+    def _fail_step(self, err: Exception) -> None:
+        """A step raised: fail the requests the scheduler runs (the step's, and those of the step in flight beside
+        it) with StepFailedError and abort them; waiting requests stay queued and the loop goes on. Re-raised (the
+        loop dies) when the devices cannot go on, or when no request ran to blame."""
+        failed = {seq.request.request_id for seq in self.engine.scheduler.running}
+        if self.engine.runner.failure is not None or not failed:
+            raise err
+        logger.exception("an engine step failed: aborting its %d requests", len(failed))
+        for request_id in failed:
+            self.engine.abort_request(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                _deliver(stream, StepFailedError(f"the engine step running this request failed: {err!r}"))
 
     def _drain_aborts(self) -> list[str]:
         ids = []

@@ -35,7 +35,19 @@ TARGETS = {
 }
 # What the kernels compute on (kernel.h converts bfloat16 to and from float32; float16 is not handled).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17")
+# -ffast-math's parts, not the flag itself: linking a library with -ffast-math (or -funsafe-math-optimizations) adds
+# crtfastmath.o, whose constructor turns on flush-to-zero for the process that loads it, so no Python code in the
+# server could represent a subnormal float again (hypothesis refuses to generate floats then).
+_FAST_MATH = (
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-freciprocal-math",
+    "-fno-signed-zeros",
+    "-ffinite-math-only",
+    "-fcx-limited-range",
+)
+_FLAGS = ("-O3", "-march=native", *_FAST_MATH, "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17")
 
 
 def _cpu_signature() -> str:
