@@ -97,11 +97,6 @@ CHAT_CASES = {
     "unknown_role": ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "role"),
     "role_in_capitals": ({"messages": [{"role": "User", "content": "x"}]}, "messages.0.role", "role"),
     "empty_role": ({"messages": [{"role": "", "content": "x"}]}, "messages.0.role", "role"),
-    "unpaired_surrogate_in_content": (
-        {"messages": [{"role": "user", "content": "a\ud800"}]},
-        "messages.0.content",
-        "surrogate",
-    ),
     "huge_top_logprobs": ({"messages": HI, "logprobs": True, "top_logprobs": 10**9}, "top_logprobs", "20"),
     "huge_max_completion_tokens": (
         {"messages": HI, "max_completion_tokens": 10**18},
