@@ -124,6 +124,7 @@ def test_an_idle_loop_gives_every_warm_up_shape_its_first_run(tiny_model_dir):
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         outputs = asyncio.run(collect(async_engine, "after", [1, 2, 3], params))
         assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
-        assert engine.metrics()["num_compilations"] == len(engine.runner.shapes.all_shapes())
+        shapes = engine.runner.shapes  # each step shape, and each token size's prompt-logprobs program
+        assert engine.metrics()["num_compilations"] == len(shapes.all_shapes()) + len(shapes.token_sizes)
     finally:
         async_engine.shutdown(timeout=5)
