@@ -179,9 +179,11 @@ def build_sampling_tensors(
     bans = [_bans(r) for r in rows]
     restricted = any(p.allowed_token_ids is not None for p in params)
     if any(bans) or restricted or any(r.grammar_bitmask is not None for r in rows):
-        neutral = neutral_wide(1, widths)["token_bitmask"][0]
-        masks = [_bitmask(row, banned, widths) for row, banned in zip(rows, bans, strict=True)]
-        fields["token_bitmask"] = np.stack(masks + [neutral] * pad)
+        fields["token_bitmask"] = np.full(
+            (num_rows, widths.bitmask_words), -1, np.int32
+        )  # padding: unconstrained
+        for i, (row, banned) in enumerate(zip(rows, bans, strict=True)):
+            fields["token_bitmask"][i] = _bitmask(row, banned, widths)
     return SamplingTensors(**fields)
 
 
