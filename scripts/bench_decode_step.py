@@ -8,12 +8,15 @@ for each matmul and attention implementation asked for:
   attention     the attention of all layers alone (layer scan, random queries)
   KV read       XLA gathers of exactly those K/V pages, summed and nothing else: the memory traffic attention
                 cannot avoid, at the rate XLA's gathers reach on this device
-and prints the attention share of the step and how far attention is from the KV-read floor.
+and prints the attention share of the step, how far attention is from the KV-read floor, and the step's
+memory-bandwidth floor: the bytes a decode step cannot avoid reading (every weight matrix once, the embedding
+rows aside, and the step's K/V pages) at the copy bandwidth measured in the same run (a jitted `x + 1`).
 
   python scripts/bench_decode_step.py                          # 8 x 384 and 64 x 256 (S x context)
   python scripts/bench_decode_step.py --shapes 64x256 --repeats 9
   python scripts/bench_decode_step.py --attention reference,cpu   # XLA reference beside the C++ CPU kernel
   python scripts/bench_decode_step.py --matmul xla,cpu            # XLA's dots beside the C++ CPU matmul kernel
+  python scripts/bench_decode_step.py --dtype float32,bfloat16     # both dtypes, same run
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path
 
 from jpaged.models.llama import StepBatch, forward, init_kv_cache  # noqa: E402
 from jpaged.models.loader import load_model  # noqa: E402
+from jpaged.models.params import param_stats  # noqa: E402
 from jpaged.pallas import get_attention_fn, resolve_attention_impl  # noqa: E402
 from jpaged.runner.weight_layout import choose_products  # noqa: E402
 
@@ -108,29 +112,56 @@ def all_layers_attention(
 class DonatedStep:
     """`forward` as the engine runs it: the cache donated and replaced by the returned one every call."""
 
-    def __init__(self, weights, config, attention, num_blocks: int) -> None:
+    def __init__(self, weights, config, attention, num_blocks: int, kv_dtype) -> None:
         products, self.params = weights
         step = functools.partial(forward, config=config, attention=attention, products=products)
         self.step = jax.jit(step, donate_argnums=1)
-        self.kv_cache = init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.float32)
+        self.kv_cache = init_kv_cache(config, num_blocks, BLOCK_SIZE, kv_dtype)
 
     def __call__(self, batch: StepBatch) -> jax.Array:
         logits, self.kv_cache = self.step(self.params, self.kv_cache, batch)
         return logits
 
 
-def time_shape(weights, config, attention, num_seqs: int, context: int, repeats: int) -> dict[str, float]:
+def read_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes per second of reading a large array once (a jitted sum)."""
+    x = jnp.ones(num_bytes // 4, jnp.float32)
+    return x.nbytes / median_seconds(jax.jit(jnp.sum), [x], repeats)
+
+
+def kv_dtype_for(dtype, attention_impl: str):
+    """The pool's dtype as the runner stores it (a bfloat16 pool as its 16-bit words for the C++ kernel)."""
+    return jnp.uint16 if attention_impl == "cpu" and dtype == jnp.bfloat16 else dtype
+
+
+def stored(pool: jax.Array, kv_dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(pool, kv_dtype) if kv_dtype == jnp.uint16 else pool
+
+
+def streamed_weight_bytes(params: dict) -> int:
+    """Bytes of every weight a decode step reads whole: all of them but an untied embedding table, whose rows
+    are gathered."""
+    total = param_stats(params)[1]
+    if "lm_head" in params:
+        total -= param_stats(params["embed"])[1]
+    return total
+
+
+def time_shape(
+    weights, config, attention, impl: str, dtype, num_seqs: int, context: int, repeats: int
+) -> dict[str, float]:
     """`weights`: (the matrix products, the params in their layout)."""
     rng = np.random.default_rng(0)
     batch, num_blocks = decode_batch(num_seqs, context, rng)
+    kv_dtype = kv_dtype_for(dtype, impl)
     timings = {
-        name: 1e3 * median_seconds(DonatedStep(weights, config, attend, num_blocks), (batch,), repeats)
+        name: 1e3
+        * median_seconds(DonatedStep(weights, config, attend, num_blocks, kv_dtype), (batch,), repeats)
         for name, attend in (("step", attention), ("no attention", identity_attention))
     }
     cache_shape = (config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-    k_cache = jnp.asarray(rng.standard_normal(cache_shape, np.float32))
-    v_cache = jnp.asarray(rng.standard_normal(cache_shape, np.float32))
-    q = jnp.asarray(rng.standard_normal((num_seqs, config.num_heads, config.head_dim), np.float32))
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal(cache_shape, np.float32), dtype) for _ in "kv")
+    q = jnp.asarray(rng.standard_normal((num_seqs, config.num_heads, config.head_dim), np.float32), dtype)
     attend_all = jax.jit(
         functools.partial(
             all_layers_attention,
@@ -139,7 +170,8 @@ def time_shape(weights, config, attention, num_seqs: int, context: int, repeats:
             sm_scale=config.head_dim**-0.5,
         )
     )
-    timings["attention"] = 1e3 * median_seconds(attend_all, (q, k_cache, v_cache, batch), repeats)
+    pools = stored(k_cache, kv_dtype), stored(v_cache, kv_dtype)
+    timings["attention"] = 1e3 * median_seconds(attend_all, (q, *pools, batch), repeats)
     timings["KV read"] = 1e3 * median_seconds(
         jax.jit(kv_read), (k_cache, v_cache, batch.block_tables), repeats
     )
@@ -162,37 +194,45 @@ def main() -> None:
         help="comma-separated: xla (the stacked matrices, XLA's dots), cpu (panels, the C++ kernel), auto (the "
         "engine's choice)",
     )
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or both, comma-separated")
+    parser.add_argument("--probe-mib", type=int, default=1024, help="array size for the bandwidth probe")
     args = parser.parse_args()
 
-    model = load_model(None, progress=False)
-    config = model.config
-    layouts = {"auto": "auto", "xla": "stacked", "cpu": "panels"}
-    matmuls = {}
-    for name in args.matmul.split(","):
-        products = choose_products(model.params, layouts[name])
-        matmuls[name] = products, jax.device_put(products.layout(model.params))
-    layout = dict(head_dim=config.head_dim, dtype=jnp.float32)
-    impls = [resolve_attention_impl(impl, **layout) for impl in args.attention.split(",")]
-    print(f"{config.num_layers} layers, float32, {jax.devices()[0].device_kind}; median of {args.repeats}")
+    bandwidth = read_bandwidth(args.probe_mib << 20, args.repeats)
     print(
-        "| S x context | matmul | attention impl | step ms | no attention | attention | KV read "
-        "| attention share | attention / KV read |"
+        f"{jax.devices()[0].device_kind}; read bandwidth {bandwidth / 1e9:.1f} GB/s; median of {args.repeats}"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for shape in args.shapes.split(","):
-        num_seqs, context = map(int, shape.split("x"))
-        for (matmul, weights), impl in itertools.product(matmuls.items(), impls):
-            attention = get_attention_fn(
-                impl, num_kv_heads=config.num_kv_heads, block_size=BLOCK_SIZE, **layout
-            )
-            t = time_shape(weights, config, attention, num_seqs, context, args.repeats)
-            share = (t["step"] - t["no attention"]) / t["step"]
-            rate = t["KV bytes"] / t["KV read"] / 1e6
-            print(
-                f"| {num_seqs} x {context} | {matmul} | {impl} | {t['step']:.0f} | {t['no attention']:.0f} "
-                f"| {t['attention']:.0f} | {t['KV read']:.0f} ({rate:.1f} GB/s) | {share:.0%} "
-                f"| {t['attention'] / t['KV read']:.1f}x |"
-            )
+    print(
+        "| dtype | S x context | matmul | attention impl | step ms | floor ms | no attention | attention "
+        "| KV read | attention share | attention / KV read |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for dtype_name in args.dtype.split(","):
+        dtype = jnp.dtype(dtype_name)
+        model = load_model(None, dtype, progress=False)
+        config = model.config
+        layouts = {"auto": "auto", "xla": "stacked", "cpu": "panels"}
+        matmuls = {}
+        for name in args.matmul.split(","):
+            products = choose_products(model.params, layouts[name])
+            matmuls[name] = products, jax.device_put(products.layout(model.params))
+        layout = dict(head_dim=config.head_dim, dtype=dtype)
+        impls = [resolve_attention_impl(impl, **layout) for impl in args.attention.split(",")]
+        for shape in args.shapes.split(","):
+            num_seqs, context = map(int, shape.split("x"))
+            for (matmul, weights), impl in itertools.product(matmuls.items(), impls):
+                attention = get_attention_fn(
+                    impl, num_kv_heads=config.num_kv_heads, block_size=BLOCK_SIZE, **layout
+                )
+                t = time_shape(weights, config, attention, impl, dtype, num_seqs, context, args.repeats)
+                share = (t["step"] - t["no attention"]) / t["step"]
+                rate = t["KV bytes"] / t["KV read"] / 1e6
+                floor = 1e3 * (streamed_weight_bytes(weights[1]) + t["KV bytes"]) / bandwidth
+                print(
+                    f"| {dtype_name} | {num_seqs} x {context} | {matmul} | {impl} | {t['step']:.1f} "
+                    f"| {floor:.1f} | {t['no attention']:.1f} | {t['attention']:.1f} "
+                    f"| {t['KV read']:.1f} ({rate:.1f} GB/s) | {share:.0%} | {t['attention'] / t['KV read']:.1f}x |"
+                )
     print("\ncommand: python scripts/bench_decode_step.py " + " ".join(sys.argv[1:]))
 
 

@@ -1,12 +1,12 @@
-"""bfloat16 on CPU: the pool is stored as its 16-bit words so XLA writes it in place, and outputs survive every
-path that moves KV blocks (copy-on-write, swap)."""
+"""bfloat16 on CPU: the pool is stored as its 16-bit words so XLA writes it in place, outputs survive every
+path that moves KV blocks (copy-on-write, swap), and greedy output follows float32's on the embedded model."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
 from engine_driver import run_requests
-from greedy import assert_same_greedy
+from greedy import BFLOAT16_NEAR_TIE, assert_same_greedy
 
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
@@ -67,3 +67,25 @@ def test_bfloat16_parallel_samples_continue_from_their_copied_blocks(model):
     outputs = run_requests(engine, {"r": (PROMPTS[0][:21], params)})["r"].outputs
     assert len(outputs) == 3 and all(len(o.token_ids) == 6 for o in outputs)
     assert engine.metrics()["num_free_blocks"] == engine.metrics()["num_total_blocks"]
+
+
+def test_bfloat16_greedy_output_follows_float32_on_the_embedded_model_but_at_near_ties(default_tokenizer):
+    """The embedded model's weights and pool in bfloat16 (the CPU kernels' bfloat16 paths, matmul and
+    attention) give float32's greedy tokens, or part from them only where float32's top two logits were
+    within bfloat16's rounding of a logit."""
+    texts = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "def fibonacci(n):",
+        "List three prime numbers and explain why they are prime.",
+    ]
+    params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, ignore_eos=True)
+    requests = {f"r{i}": (default_tokenizer.encode(text), params) for i, text in enumerate(texts)}
+    args = dict(ARGS, max_model_len=256, max_num_batched_tokens=128, num_blocks=64)
+    outputs = {
+        dtype: run_requests(LLMEngine(EngineConfig(**dict(args, dtype=dtype))), requests)
+        for dtype in ("float32", "bfloat16")
+    }
+    for request_id in requests:
+        reference, output = (outputs[dtype][request_id].outputs[0] for dtype in ("float32", "bfloat16"))
+        assert_same_greedy(reference, output.token_ids, f"bfloat16 {request_id}", BFLOAT16_NEAR_TIE)

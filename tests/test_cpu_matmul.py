@@ -36,16 +36,18 @@ def test_live_rows_match_float64_numpy_and_the_rest_are_zero(m, k, n, dtype, out
     assert not got[rows:].any()
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows():
-    """Same bits whatever the batch around a row: bucket size, live row count, neighbours."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(dtype):
+    """Same bits whatever the batch around a row: bucket size, live row count, neighbours (a bfloat16 panel
+    is read as it is by one row block and through its float32 widening by several)."""
     rng = np.random.default_rng(7)
-    panels = cpu_matmul.pack(jnp.asarray(rng.standard_normal((1, 300, 70)), jnp.float32))
-    x = jnp.asarray(rng.standard_normal((64, 300)), jnp.float32)
-    full = np.asarray(_matmul(x, panels, 0, 64, n=70))
+    panels = cpu_matmul.pack(jnp.asarray(rng.standard_normal((1, 300, 70)), dtype))
+    x = jnp.asarray(rng.standard_normal((64, 300)), dtype)
+    full = np.asarray(_matmul(x, panels, 0, 64, n=70).astype(jnp.float32))
     for m, rows in [(64, 11), (16, 16), (8, 5), (1, 1)]:
-        shuffled = x[:m].at[rows:].set(jnp.asarray(rng.standard_normal((m - rows, 300)), jnp.float32))
+        shuffled = x[:m].at[rows:].set(jnp.asarray(rng.standard_normal((m - rows, 300)), dtype))
         np.testing.assert_array_equal(
-            np.asarray(_matmul(shuffled, panels, 0, rows, n=70))[:rows], full[:rows]
+            np.asarray(_matmul(shuffled, panels, 0, rows, n=70).astype(jnp.float32))[:rows], full[:rows]
         )
 
 

@@ -40,9 +40,9 @@ inline void StoreRow(V8 lo, V8 hi, uint16_t* out, int width) {
 // out[m][0:width] = x[m] . panel for MR rows: each row's x[m][k] broadcast against the panel's 16 columns.
 // The first block over a panel (kFirst) reads it from memory and asks for its rows kAhead steps early: the
 // hardware prefetcher alone leaves decode-sized products waiting on memory (scripts/KERNELS.md); later blocks find
-// the panel in cache.
+// the panel in cache. A first block given `widened` also stores the panel's rows there as float32.
 template <int MR, bool kFirst, typename T, typename Out>
-inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, int width) {
+inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, int width, float* widened) {
   constexpr int kAhead = 16;
   V8 lo[MR], hi[MR];
 #pragma GCC unroll 8
@@ -50,6 +50,10 @@ inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, 
   for (int k = 0; k < K; ++k) {
     if (kFirst) __builtin_prefetch(panel + (k + kAhead) * kPanel);
     const V8 w_lo = Load(panel + k * kPanel), w_hi = Load(panel + k * kPanel + 8);
+    if (kFirst && widened) {
+      Store(widened + k * kPanel, w_lo);
+      Store(widened + k * kPanel + 8, w_hi);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const V8 b = V8{} + x[m * K + k];
@@ -63,14 +67,14 @@ inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, 
 
 // Rows [m, m + MR) of a panel's product.
 template <int MR, typename T, typename Out>
-inline void RowBlock(const float* x, int K, const T* panel, Out* out, int N, int width, int m) {
-  if (m == 0) return Block<MR, true>(x, K, panel, out, N, width);
-  Block<MR, false>(x + m * K, K, panel, out + m * N, N, width);
+inline void RowBlock(const float* x, int K, const T* panel, Out* out, int N, int width, int m,
+                     float* widened = nullptr) {
+  if (m == 0) return Block<MR, true>(x, K, panel, out, N, width, widened);
+  Block<MR, false>(x + m * K, K, panel, out + m * N, N, width, nullptr);
 }
 
 template <typename T, typename Out>
-void Panel(const float* x, int rows, int K, const T* panel, Out* out, int N, int width) {
-  int m = 0;
+void Rows(const float* x, int rows, int K, const T* panel, Out* out, int N, int width, int m) {
   for (; m + kRowBlock <= rows; m += kRowBlock) RowBlock<kRowBlock>(x, K, panel, out, N, width, m);
   switch (rows - m) {
     case 1: return RowBlock<1>(x, K, panel, out, N, width, m);
@@ -79,6 +83,23 @@ void Panel(const float* x, int rows, int K, const T* panel, Out* out, int N, int
     case 4: return RowBlock<4>(x, K, panel, out, N, width, m);
     case 5: return RowBlock<5>(x, K, panel, out, N, width, m);
   }
+}
+
+template <typename Out>
+void Panel(const float* x, int rows, int K, const float* panel, Out* out, int N, int width) {
+  Rows(x, rows, K, panel, out, N, width, 0);
+}
+
+// A bfloat16 panel is widened once, by its first row block, into a float32 copy (K x 64 bytes, cache-resident)
+// that the later blocks read: widening costs two vector operations per load, which batches of many row blocks
+// would otherwise pay for each block. Widening is exact, so every row's sums are those of a single block.
+template <typename Out>
+void Panel(const float* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
+  if (rows <= kRowBlock) return Rows(x, rows, K, panel, out, N, width, 0);
+  thread_local std::vector<float> widened;
+  widened.resize(static_cast<size_t>(K) * kPanel);
+  RowBlock<kRowBlock>(x, K, panel, out, N, width, 0, widened.data());
+  Rows(x, rows, K, static_cast<const float*>(widened.data()), out, N, width, kRowBlock);
 }
 
 inline const float* AsFloat(const float* x, int64_t, std::vector<float>&) { return x; }
