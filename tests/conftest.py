@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded model, its tokenizer, and tiny random transformers models saved to disk."""
+"""Shared fixtures: the embedded model, its tokenizer, tiny random transformers models saved to disk, and the
+engine and live server the server tests share (built by server_harness.py)."""
 
 from __future__ import annotations
 
@@ -137,6 +138,24 @@ def tiny_llama(tiny_llama_dir):
     from jpaged.models.loader import load_model
 
     return load_model(str(tiny_llama_dir), progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    """The AsyncLLMEngine the server tests share (server_harness.small_engine: one per process, so each step
+    shape compiles once). A module that needs an engine of its own defines its own `engine` fixture."""
+    from server_harness import small_engine
+
+    return small_engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def http(engine):
+    """An httpx client on a live server (served as "tiny") over `engine`, one server per module."""
+    from server_harness import http_client
+
+    with http_client(engine) as client:
+        yield client
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -10,10 +10,13 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 from fastapi import FastAPI
+from jpaged_server.api_server import build_app
 from jpaged_server.lifecycle import GracefulServer
 
 from jpaged.config import EngineConfig
@@ -33,6 +36,26 @@ def shared_engine(config: EngineConfig) -> AsyncLLMEngine:
     if key not in _shared_engines:
         _shared_engines[key] = AsyncLLMEngine.from_config(config)
     return _shared_engines[key]
+
+
+def small_config(tiny_model_dir: Callable[[str], Path], **overrides) -> EngineConfig:
+    """The server tests' model, the tiny tied-embedding SmolLM2 (conftest.py), under SMALL_ENGINE_ARGS."""
+    return EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **{**SMALL_ENGINE_ARGS, **overrides})
+
+
+def small_engine(tiny_model_dir: Callable[[str], Path]) -> AsyncLLMEngine:
+    """The engine the server tests share (conftest.py's `engine`): one per process, whichever module asks first."""
+    return shared_engine(small_config(tiny_model_dir))
+
+
+@contextlib.contextmanager
+def http_client(engine: AsyncLLMEngine, served_model_name: str = "tiny") -> Iterator[httpx.Client]:
+    """An httpx client on a live server over `engine`, both closed on exit."""
+    with (
+        serve_in_thread(build_app(engine, served_model_name)) as running,
+        httpx.Client(base_url=running.base_url, timeout=60) as client,
+    ):
+        yield client
 
 
 @dataclass

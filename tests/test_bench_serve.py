@@ -10,10 +10,9 @@ import re
 import numpy as np
 import pytest
 from jpaged_server.api_server import build_app
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
+from server_harness import serve_in_thread, small_engine
 
 from jpaged.benchmarks.serve_client import arrival_times
-from jpaged.config import EngineConfig
 from jpaged.entrypoints.cli import main
 
 MODEL = "tiny"
@@ -21,8 +20,7 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    engine = shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
-    with serve_in_thread(build_app(engine, MODEL)) as running:
+    with serve_in_thread(build_app(small_engine(tiny_model_dir), MODEL)) as running:
         yield running
 
 

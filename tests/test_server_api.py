@@ -7,17 +7,10 @@ import openai
 import pytest
 from jpaged_server.api_server import build_app
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
-
-from jpaged.config import EngineConfig
+from server_harness import serve_in_thread
 
 MODEL = "tiny-smollm2"
 PROMPT = "Hello there, how"  # a few tokens: prefill and decode share the smallest step shape
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
 
 
 @pytest.fixture(scope="module")

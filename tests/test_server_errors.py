@@ -6,19 +6,12 @@ import httpx
 import pytest
 from engine_gate import EngineGate, wait_until
 from jpaged_server.api_server import build_app
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
-
-from jpaged.config import EngineConfig
+from server_harness import serve_in_thread
 
 MODEL = "tiny-smollm2"
 API_KEY = "test-secret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HI = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,11 @@ import httpx
 import pytest
 from engine_gate import EngineGate, wait_until
 from jpaged_server.api_server import build_app
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
+from server_harness import serve_in_thread, small_config
 
-from jpaged.config import EngineConfig
 from jpaged.engine.async_engine import AsyncLLMEngine
 
 GREEDY = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +89,7 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_serves_on(server, 
 
 def test_an_engine_loop_that_died_makes_health_and_generation_503(tiny_model_dir):
     # An engine of its own: it does not survive this test.
-    config = EngineConfig(
-        model=str(tiny_model_dir("smollm2_tied")), **{**SMALL_ENGINE_ARGS, "num_blocks": 64}
-    )
-    dying = AsyncLLMEngine.from_config(config)
+    dying = AsyncLLMEngine.from_config(small_config(tiny_model_dir, num_blocks=64))
     try:
         with serve_in_thread(build_app(dying, "tiny")) as running:
             assert httpx.get(f"{running.base_url}/health").status_code == 200

@@ -15,9 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jpaged_server.api_server import build_app
 from schemathesis import GenerationMode
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
-
-from jpaged.config import EngineConfig
+from server_harness import serve_in_thread, shared_engine, small_config
 
 ODD = [
     None,
@@ -101,20 +99,6 @@ def bodies(base: dict, fields: dict) -> st.SearchStrategy[dict]:
     )
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
-
-
-@pytest.fixture(scope="module")
-def http(engine):
-    with (
-        serve_in_thread(build_app(engine, "tiny")) as running,
-        httpx.Client(base_url=running.base_url, timeout=60) as client,
-    ):
-        yield client
-
-
 def check_answer(http: httpx.Client, path: str, body: dict) -> None:
     content = json.dumps(body, allow_nan=False)
     with http.stream("POST", path, content=content, headers={"Content-Type": "application/json"}) as response:
@@ -159,14 +143,13 @@ def test_any_chat_body_gets_200_or_a_4xx_and_holds_nothing(http, engine, body):
 # schemathesis: cases from the schema the server serves at /openapi.json, for every operation in it. A context of 64
 # tokens keeps each generated request to a few dozen steps of the tiny model (generated text prompts are mostly
 # longer: 400s), so a few hundred cases take about a minute on two cores.
-FUZZ_ENGINE_ARGS = {**SMALL_ENGINE_ARGS, "max_model_len": 64}
 EXAMPLES_PER_OPERATION = {"POST": 130, "GET": 5}  # a GET without parameters has one case, whatever is asked
 MIN_CASES = 500
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir):
-    engine = shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **FUZZ_ENGINE_ARGS))
+    engine = shared_engine(small_config(tiny_model_dir, max_model_len=64))
     with serve_in_thread(build_app(engine, "tiny")) as running:
         yield running, engine
 

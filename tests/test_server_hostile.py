@@ -6,28 +6,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from jpaged_server.api_server import build_app
 from jpaged_server.protocol import MAX_STOP_STRINGS
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
-
-from jpaged.config import EngineConfig
 
 HI = [{"role": "user", "content": "Hi"}]
 VOCAB = 49152  # the tiny models' vocabulary (tests/conftest.py)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
-
-
-@pytest.fixture(scope="module")
-def http(engine):
-    with (
-        serve_in_thread(build_app(engine, "tiny")) as running,
-        httpx.Client(base_url=running.base_url, timeout=60) as client,
-    ):
-        yield client
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None, *words: str) -> None:

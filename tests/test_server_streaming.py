@@ -16,9 +16,7 @@ import httpx
 import pytest
 from engine_gate import EngineGate
 from jpaged_server.api_server import build_app
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
-
-from jpaged.config import EngineConfig
+from server_harness import serve_in_thread
 
 MODEL = "tiny-smollm2"
 LONG = {
@@ -27,11 +25,6 @@ LONG = {
     "ignore_eos": True,
     "temperature": 0,
 }  # an abort shows as fewer tokens generated than this
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,7 @@ from jpaged_server.chat_message import ReplyFormat, StreamingReply
 from jpaged_server.cli import add_server_args, auto_tool_parser
 from jpaged_server.reasoning_parsers import REASONING_PARSERS
 from jpaged_server.tool_parsers import HermesFormat
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
-
-from jpaged.config import EngineConfig
+from server_harness import serve_in_thread, small_engine
 
 HI = [{"role": "user", "content": "Hi"}]
 WEATHER_TOOL = {
@@ -30,9 +28,8 @@ WEATHER_TOOL = {
 
 @pytest.fixture(scope="module")
 def http(tiny_model_dir):
-    engine = shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
     with (
-        serve_in_thread(build_app(engine, "tiny")) as running,
+        serve_in_thread(build_app(small_engine(tiny_model_dir), "tiny")) as running,
         httpx.Client(base_url=running.base_url) as client,
     ):
         client.timeout = 120

@@ -10,28 +10,9 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 from figures import record
-from jpaged_server.api_server import build_app
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread, shared_engine
-
-from jpaged.config import EngineConfig
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return shared_engine(EngineConfig(model=str(tiny_model_dir("smollm2_tied")), **SMALL_ENGINE_ARGS))
-
-
-@pytest.fixture(scope="module")
-def http(engine):
-    with (
-        serve_in_thread(build_app(engine, "tiny")) as running,
-        httpx.Client(base_url=running.base_url, timeout=60) as client,
-    ):
-        yield client
 
 
 def probe(http: httpx.Client, engine, prompt: list[int], salt: str | None) -> tuple[int, float]:
