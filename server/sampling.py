@@ -108,7 +108,7 @@ def check_for_engine(
     """The engine's own checks (token ids in the vocabulary, n samples or beams within max_num_seqs, a beam width
     its EOS ids and block pool allow), run before anything is queued."""
     try:
-        engine.check_prompt(prompt_ids)
+        engine.checks.check_prompt(prompt_ids)
     except ValueError as err:
         raise APIError(400, str(err), prompt_param) from None
     if isinstance(params, BeamSearchParams):
@@ -118,6 +118,6 @@ def check_for_engine(
             raise APIError(400, f"n (the beam width): {err}", "n") from None
         return
     try:
-        engine.check_params(params)
+        engine.checks.check_params(params)
     except ValueError as err:
         raise bad_request(err, SAMPLING_FIELDS) from None

@@ -94,12 +94,15 @@ def test_the_host_core_imports_without_jax():
         "jpaged.sampling_params",
         "jpaged.outputs",
         "jpaged.structured",
-        # the loop's host work: a step's rows and plain schedule, sampling inputs, outputs, beams, text
+        # the loop's host work: a step's rows and plain schedule, sampling inputs, outputs, beams, text, request
+        # checks, metrics
         "jpaged.engine.scheduled_step",
         "jpaged.engine.step_sampling",
         "jpaged.engine.output_processor",
         "jpaged.engine.beam_driver",
         "jpaged.engine.detokenizer",
+        "jpaged.engine.request_checks",
+        "jpaged.engine.engine_metrics",
     ],
 )
 def test_the_public_types_and_the_loops_host_work_import_without_jax(module):

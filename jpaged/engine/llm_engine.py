@@ -24,7 +24,9 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Request, SequenceState, SequenceStatus
 from jpaged.engine.beam_driver import BeamDriver
 from jpaged.engine.constrained_decoding import ConstrainedDecoding
+from jpaged.engine.engine_metrics import TokenCounts, engine_metrics
 from jpaged.engine.output_processor import OutputProcessor
+from jpaged.engine.request_checks import RequestChecks
 from jpaged.engine.scheduled_step import InFlightStep, ScheduledStep, scheduled_step
 from jpaged.engine.startup import for_this_platform, size_kv_cache
 from jpaged.engine.step_sampling import StepSampling, has_static_sampling, is_plain_greedy, sample_seed_for
@@ -67,6 +69,7 @@ class LLMEngine:
             size.num_blocks, config.block_size, config.enable_prefix_caching, size.num_swap_blocks
         )
         self.scheduler = Scheduler(config, self.blocks)
+        self.checks = RequestChecks(config, self.max_model_len, mc.vocab_size)
         self.runner = start_runner(
             config,
             mc,
@@ -96,7 +99,7 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._next_seq_id = 0
         self._private_salts = itertools.count()
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.counters = TokenCounts()
         self._in_flight: InFlightStep | None = (
             None  # launched, its tokens not processed yet (async scheduling)
         )
@@ -125,13 +128,13 @@ class LLMEngine:
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             text, token_ids = None, [int(t) for t in prompt]
-        self.check_prompt(token_ids)
+        self.checks.check_prompt(token_ids)
         beam = None
         if isinstance(params, BeamSearchParams):
             beam = self.new_beam_search(len(token_ids), params)
             params = beam.sampling_params()
         else:
-            self.check_params(params)
+            self.checks.check_params(params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
         if params.prompt_logprobs is not None:
             # Logprobs are needed at every prompt position, so prefix hits from other requests must not skip
@@ -159,28 +162,6 @@ class LLMEngine:
         if self._prefix_hint and (advice := self._prefix_hint.observe(request_id, token_ids)):
             logger.warning("prefix caching, from the first %d requests: %s", SAMPLE, advice)
         return request
-
-    def check_prompt(self, token_ids: Sequence[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens long, but max_model_len is {self.max_model_len} "
-                "(the prompt plus at least one generated token must fit)"
-            )
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})"
-            )
-
-    def check_params(self, params: SamplingParams) -> None:
-        """What sampling params must also satisfy on this engine: ids inside the vocabulary, and n samples that
-        fit in one step, since all of them come from the prompt's last step together."""
-        params.check_for_vocab(self.model_config.vocab_size)
-        self.config.check_fan_out(
-            "n", params.n, "a request's samples are all drawn from its prompt's last step"
-        )
 
     def new_beam_search(self, num_prompt_tokens: int, params: BeamSearchParams) -> BeamSearch:
         """A beam search for a prompt of this length, checked against this engine (see BeamDriver)."""
@@ -299,7 +280,7 @@ class LLMEngine:
             return None
         tables = self.blocks.block_tables([seq.seq_id for seq in seqs])
         scheduled = scheduled_step(seqs, num_new_tokens, tables)
-        self.counters["prompt_tokens"] += scheduled.num_first_prompt_tokens
+        self.counters.prompt_tokens += scheduled.num_first_prompt_tokens
         return scheduled
 
     def _launch(self, scheduled: ScheduledStep) -> InFlightStep:
@@ -367,7 +348,7 @@ class LLMEngine:
                 request = seq.request
                 if request.params.output_kind is not final_only and request.beam is None:
                     reporting[request.request_id] = request
-        self.counters["generation_tokens"] += num_live
+        self.counters.generation_tokens += num_live
         ended: dict[str, Request] = {}
         for seq in self.outputs.append_tokens(targets, result.token_ids.tolist(), now, result):
             self.scheduler.finish(seq)
@@ -418,22 +399,8 @@ class LLMEngine:
     # ---- observability ----
 
     def metrics(self) -> dict[str, float]:
-        blocks, scheduler = self.blocks, self.scheduler
-        return {
-            "num_requests_running": len({s.request.request_id for s in scheduler.running}),
-            "num_requests_waiting": len(
-                {s.request.request_id for s in [*scheduler.waiting, *scheduler.swapped]}
-            ),
-            "kv_cache_usage_perc": blocks.usage,
-            "num_free_blocks": blocks.num_free_blocks,
-            "num_total_blocks": blocks.num_total_blocks,
-            "num_preemptions": scheduler.num_preemptions,
-            "prefix_cache_queries": blocks.prefix_cache_queries,
-            "prefix_cache_hits": blocks.prefix_cache_hits,
-            "prompt_tokens": self.counters["prompt_tokens"],
-            "generation_tokens": self.counters["generation_tokens"],
-            "num_compilations": self.runner.num_compilations,
-        }
+        """Queue sizes, KV usage, token and prefix-cache counters, compilations (see engine_metrics)."""
+        return engine_metrics(self.blocks, self.scheduler, self.counters, self.runner.num_compilations)
 
     def reset_prefix_cache(self) -> bool:
         return self.blocks.reset_prefix_cache()

@@ -1,0 +1,39 @@
+"""The engine's gauges and counters as one flat dict, read on demand (LLMEngine.metrics, the server's /metrics).
+
+Read from the state the scheduler and block manager keep anyway, so nothing is counted twice and the loop keeps no
+metrics objects; its only counts of its own are the tokens (TokenCounts). Host-side: no JAX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jpaged.core.block_manager import BlockManager
+    from jpaged.core.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class TokenCounts:
+    prompt_tokens: int = 0  # prompt tokens of the requests scheduled for their first token
+    generation_tokens: int = 0  # sampled tokens, less those of sequences that ended while their step ran
+
+
+def engine_metrics(
+    blocks: BlockManager, scheduler: Scheduler, tokens: TokenCounts, num_compilations: int
+) -> dict[str, float]:
+    """vLLM's metric names (jpaged_server.metrics exports them under a `jpaged:` prefix)."""
+    return {
+        "num_requests_running": len({s.request.request_id for s in scheduler.running}),
+        "num_requests_waiting": len({s.request.request_id for s in [*scheduler.waiting, *scheduler.swapped]}),
+        "kv_cache_usage_perc": blocks.usage,
+        "num_free_blocks": blocks.num_free_blocks,
+        "num_total_blocks": blocks.num_total_blocks,
+        "num_preemptions": scheduler.num_preemptions,
+        "prefix_cache_queries": blocks.prefix_cache_queries,
+        "prefix_cache_hits": blocks.prefix_cache_hits,
+        "prompt_tokens": tokens.prompt_tokens,
+        "generation_tokens": tokens.generation_tokens,
+        "num_compilations": num_compilations,
+    }
