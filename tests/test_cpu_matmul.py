@@ -3,11 +3,14 @@ fill their 16 columns, any K, live rows fewer than the padded batch, one layer p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jpaged.pallas.cpu import library
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
@@ -93,3 +96,11 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_kernel_multiplies_bfloat16_natively_exactly_where_the_cpu_can():
+    """Built with -march=native: the AVX-512-BF16 dot products where /proc/cpuinfo lists them, widening
+    elsewhere (what dtype="auto" reads)."""
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    expected = "avx512_bf16" if "avx512_bf16" in flags.split() else None
+    assert library.bfloat16_arithmetic() == expected

@@ -101,20 +101,36 @@ def compile_sources(sources, output: Path, compiler: str = "g++") -> None:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the kernels are built and registered with XLA (compiling them the first time on this machine)."""
+def _loaded() -> ctypes.CDLL | None:
+    """The kernels' library, built and registered with XLA (compiling it the first time on this machine)."""
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
         logger.warning("no C++ compiler (%s) to build the CPU kernels", compiler)
-        return False
+        return None
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as err:
         logger.warning("could not build the CPU kernels: %s", err)
-        return False
-    return True
+        return None
+    return library
+
+
+def available() -> bool:
+    """Whether the kernels are built and registered with XLA."""
+    return _loaded() is not None
+
+
+def bfloat16_arithmetic() -> str | None:
+    """The bfloat16 dot-product instructions the matmul kernel was built with for this CPU (`avx512_bf16`), or
+    None where it widens bfloat16 to float32 (or the kernels cannot be built)."""
+    library = _loaded()
+    if library is None:
+        return None
+    query = library.JpagedBfloat16Arithmetic
+    query.restype = ctypes.c_char_p
+    return query().decode() or None
 
 
 def require() -> None:

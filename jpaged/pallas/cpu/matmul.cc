@@ -7,7 +7,16 @@
 // per call with a 6-row x 16-column block of accumulators in registers, rows past `rows` are skipped, and a
 // layer's matrix is read in place in the stack. Every output element is a sum over k in the same order whatever the
 // number of rows, so a row's result does not depend on what else is in the batch.
+//
+// bfloat16 where the library is built for a CPU with AVX-512-BF16 (-march=native defines __AVX512BF16__): the
+// products are vdpbf16ps, two k at a time on bfloat16 words, float32 sums; elsewhere the panel's words are widened
+// to float32 and multiplied as float32 panels are.
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "kernel.h"
 
@@ -73,16 +82,26 @@ inline void RowBlock(const float* x, int K, const T* panel, Out* out, int N, int
   Block<MR, false>(x + m * K, K, panel, out + m * N, N, width, nullptr);
 }
 
+// Calls block(MR, m) for the row blocks [m, m + MR) that cover rows [m, rows): full blocks of kRows, then one of
+// the rows left (MR a compile-time constant, std::integral_constant).
+template <int MR, typename Fn>
+inline void LastBlock(int left, int m, Fn& block) {
+  if constexpr (MR > 0) {
+    if (left == MR) return block(std::integral_constant<int, MR>{}, m);
+    LastBlock<MR - 1>(left, m, block);
+  }
+}
+template <int kRows, typename Fn>
+inline void ForRowBlocks(int rows, int m, Fn block) {
+  for (; m + kRows <= rows; m += kRows) block(std::integral_constant<int, kRows>{}, m);
+  LastBlock<kRows - 1>(rows - m, m, block);
+}
+
 template <typename T, typename Out>
 void Rows(const float* x, int rows, int K, const T* panel, Out* out, int N, int width, int m) {
-  for (; m + kRowBlock <= rows; m += kRowBlock) RowBlock<kRowBlock>(x, K, panel, out, N, width, m);
-  switch (rows - m) {
-    case 1: return RowBlock<1>(x, K, panel, out, N, width, m);
-    case 2: return RowBlock<2>(x, K, panel, out, N, width, m);
-    case 3: return RowBlock<3>(x, K, panel, out, N, width, m);
-    case 4: return RowBlock<4>(x, K, panel, out, N, width, m);
-    case 5: return RowBlock<5>(x, K, panel, out, N, width, m);
-  }
+  ForRowBlocks<kRowBlock>(rows, m, [&](auto mr, int at) {
+    RowBlock<decltype(mr)::value>(x, K, panel, out, N, width, at);
+  });
 }
 
 template <typename Out>
@@ -90,6 +109,63 @@ void Panel(const float* x, int rows, int K, const float* panel, Out* out, int N,
   Rows(x, rows, K, panel, out, N, width, 0);
 }
 
+#if defined(__AVX512BF16__)
+constexpr int kDotRowBlock = 8;  // 8 accumulators of 16 columns; AVX-512 has 32 registers
+
+// Rows k and k + 1 of a panel (32 consecutive words) as 16 (row k, row k + 1) pairs, one per column.
+inline __m512i PairIndex() {
+  alignas(64) uint16_t index[32];
+  for (int i = 0; i < kPanel; ++i) {
+    index[2 * i] = static_cast<uint16_t>(i);
+    index[2 * i + 1] = static_cast<uint16_t>(kPanel + i);
+  }
+  return _mm512_load_si512(index);
+}
+
+template <int MR, bool kFirst, typename Out>
+inline void DotBlock(const uint16_t* x, int K, const uint16_t* panel, Out* out, int64_t ldo, int width) {
+  constexpr int kAhead = 16;
+  const __m512i pairs = PairIndex();
+  __m512 acc[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  // Two k of every row: the panel's pairs against x[m][k], x[m][k + 1] (one 32-bit word) broadcast.
+  auto step = [&](const __m512i rows, auto x_pair) {
+    const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(pairs, rows);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(x_pair(m)));
+  };
+  int k = 0;
+  for (; k + 1 < K; k += 2) {
+    if (kFirst) __builtin_prefetch(panel + (k + kAhead) * kPanel);
+    step(_mm512_loadu_si512(panel + k * kPanel), [&](int m) {
+      uint32_t word;
+      std::memcpy(&word, x + m * K + k, sizeof word);
+      return static_cast<int>(word);
+    });
+  }
+  if (k < K)  // an odd K's last row, paired with zeros
+    step(_mm512_maskz_loadu_epi16(0xFFFFu, panel + k * kPanel), [&](int m) { return int{x[m * K + k]}; });
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    float row[kPanel];
+    _mm512_storeu_ps(row, acc[m]);
+    StoreRow(Load(row), Load(row + 8), out + m * ldo, width);
+  }
+}
+
+// x stays bfloat16 here (KernelRows); every row block reads the panel as it is.
+template <typename Out>
+void Panel(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
+  ForRowBlocks<kDotRowBlock>(rows, 0, [&](auto mr, int m) {
+    constexpr int MR = decltype(mr)::value;
+    if (m == 0) return DotBlock<MR, true>(x, K, panel, out, N, width);
+    DotBlock<MR, false>(x + m * K, K, panel, out + m * N, N, width);
+  });
+}
+
+constexpr const char* kBfloat16Arithmetic = "avx512_bf16";
+#else
 // A bfloat16 panel is widened once, by its first row block, into a float32 copy (K x 64 bytes, cache-resident)
 // that the later blocks read: widening costs two vector operations per load, which batches of many row blocks
 // would otherwise pay for each block. Widening is exact, so every row's sums are those of a single block.
@@ -102,18 +178,26 @@ void Panel(const float* x, int rows, int K, const uint16_t* panel, Out* out, int
   Rows(x, rows, K, static_cast<const float*>(widened.data()), out, N, width, kRowBlock);
 }
 
-inline const float* AsFloat(const float* x, int64_t, std::vector<float>&) { return x; }
-inline const float* AsFloat(const uint16_t* x, int64_t size, std::vector<float>& buffer) {
+constexpr const char* kBfloat16Arithmetic = "";  // none: widened to float32
+#endif
+
+// x as the row blocks read it: float32, or for bfloat16 its words where the dot instructions take them.
+inline const float* KernelRows(const float* x, int64_t, std::vector<float>&) { return x; }
+#if defined(__AVX512BF16__)
+inline const uint16_t* KernelRows(const uint16_t* x, int64_t, std::vector<float>&) { return x; }
+#else
+inline const float* KernelRows(const uint16_t* x, int64_t size, std::vector<float>& buffer) {
   buffer.resize(size);
   for (int64_t i = 0; i < size; ++i) buffer[i] = ToFloat(x[i]);
   return buffer.data();
 }
+#endif
 
 template <typename T, typename Out>
 void Run(ffi::ThreadPool& pool, const T* x_in, const T* panels, Out* out, int M, int rows, int K, int N) {
   std::memset(out + static_cast<int64_t>(rows) * N, 0, sizeof(Out) * static_cast<int64_t>(M - rows) * N);
   std::vector<float> buffer;
-  const float* x = AsFloat(x_in, static_cast<int64_t>(rows) * K, buffer);
+  const auto* x = KernelRows(x_in, static_cast<int64_t>(rows) * K, buffer);
   const int num_panels = (N + kPanel - 1) / kPanel;
   const int num_items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
   ParallelFor(pool, num_items, [&](int item) {
@@ -158,6 +242,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer panels,
 }
 
 }  // namespace
+
+// The bfloat16 instructions this build multiplies with ("" for none), for the engine's choice of dtype.
+extern "C" const char* JpagedBfloat16Arithmetic() { return kBfloat16Arithmetic; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmul, Matmul,
                               ffi::Ffi::Bind()
