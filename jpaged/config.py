@@ -31,7 +31,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU/TPU
+    dtype: str = "auto"  # bfloat16 on GPU/TPU and on CPUs with bfloat16 dot products, else float32
     seed: int = 0
     tensor_parallel_size: int = 1
     attention_impl: str = "auto"  # "reference" (XLA), "pallas" (GPU/TPU) or "cpu" (C++); see ATTENTION_IMPLS

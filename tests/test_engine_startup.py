@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jpaged.config import EngineConfig
 from jpaged.core.kv_cache_sizing import GIB, kv_bytes_per_token
 from jpaged.engine import startup
+from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.runner.tensor_parallel import tensor_parallel_mesh
 
 PEAK = 64 << 20  # the step's activations, as activation_peak_bytes would measure them
@@ -82,3 +86,24 @@ def test_with_tensor_parallelism_the_memory_is_per_device(tiny_llama):
         ValueError, match=r"tensor_parallel_size \(2\) exceeds the 1 devices this process has"
     ):
         tensor_parallel_mesh(2, tiny_llama.config)
+
+
+@pytest.mark.parametrize(
+    ("instructions", "expected"),
+    [("avx512_bf16", "bfloat16"), (None, "float32")],
+    ids=["bf16-dots", "no-dots"],
+)
+def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_kernel_multiplies_bfloat16(
+    monkeypatch, caplog, instructions, expected
+):
+    monkeypatch.setattr(cpu_kernels, "bfloat16_arithmetic", lambda: instructions)
+    with caplog.at_level(logging.INFO, logger="jpaged.runner.weight_layout"):
+        _, dtype = startup.for_this_platform(EngineConfig(dtype="auto"))
+    assert dtype == jnp.dtype(expected)
+    assert f"dtype auto: {expected}" in caplog.text
+    assert (instructions or "no bfloat16 dot-product instructions") in caplog.text
+
+
+def test_an_explicit_dtype_is_kept_whatever_the_cpu(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "bfloat16_arithmetic", lambda: "avx512_bf16")
+    assert startup.for_this_platform(EngineConfig(dtype="float32"))[1] == jnp.float32

@@ -23,19 +23,23 @@ from jpaged.models.llama import params_dtype
 from jpaged.models.loader import LoadedModel
 from jpaged.runner.activation_peak import activation_peak_bytes
 from jpaged.runner.tensor_parallel import check_tensor_parallel_size, tensor_parallel_config
+from jpaged.runner.weight_layout import cpu_auto_dtype
 
 logger = logging.getLogger(__name__)
 
 
 def for_this_platform(config: EngineConfig) -> tuple[EngineConfig, np.dtype]:
     """The config with this platform's default sizes where it leaves them open, and the dtype `config.dtype`
-    means here (auto: float32 on CPU, bfloat16 on accelerators). Sets up the accelerator's allocator first: it
-    must be configured before JAX initialises its backend."""
+    means here (auto: bfloat16 on accelerators, on CPU as `cpu_auto_dtype` decides). Sets up the accelerator's
+    allocator first: it must be configured before JAX initialises its backend."""
     configure_accelerator_allocator(config.gpu_memory_utilization)
     platform = jax.default_backend()
-    dtype = jnp.dtype(
-        {"auto": np.float32 if platform == "cpu" else "bfloat16"}.get(config.dtype, config.dtype)
-    )
+    if config.dtype != "auto":
+        dtype = jnp.dtype(config.dtype)
+    elif platform == "cpu":
+        dtype = cpu_auto_dtype()
+    else:
+        dtype = jnp.dtype(jnp.bfloat16)
     return config.for_platform(platform), dtype
 
 

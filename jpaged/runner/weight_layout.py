@@ -8,12 +8,17 @@ step's live rows; the LM head as panels too (scripts/bench_matmul.py times it ag
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 
 from jpaged.models.llama import LAYER_MATRICES, STACKED, MatrixProducts, params_dtype
+from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,3 +79,17 @@ def choose_products(params: dict, layout: str = "auto") -> MatrixProducts:
     if layout == "stacked":
         return STACKED
     raise ValueError(f"layout must be 'auto', 'stacked' or 'panels', got {layout!r}")
+
+
+def cpu_auto_dtype() -> np.dtype:
+    """bfloat16 where the CPU matmul kernel multiplies bfloat16 with the CPU's own dot-product instructions,
+    float32 where it would widen every weight to float32 first (slower at batch sizes past a few rows:
+    scripts/KERNELS.md). Decided by what the kernels were built with, not timed at start-up, so one command on
+    one machine always runs one dtype (and gives the same greedy output). Logs which and why."""
+    instructions = cpu_kernels.bfloat16_arithmetic()
+    if instructions:
+        logger.info("dtype auto: bfloat16, the CPU multiplies bfloat16 itself (%s)", instructions)
+        return np.dtype(jax.numpy.bfloat16)
+    reason = "has no bfloat16 dot-product instructions" if cpu_kernels.available() else "has no CPU kernels"
+    logger.info("dtype auto: float32, this CPU %s (--dtype bfloat16 halves the weights' bytes)", reason)
+    return np.dtype(np.float32)
