@@ -89,3 +89,23 @@ def test_bfloat16_greedy_output_follows_float32_on_the_embedded_model_but_at_nea
     for request_id in requests:
         reference, output = (outputs[dtype][request_id].outputs[0] for dtype in ("float32", "bfloat16"))
         assert_same_greedy(reference, output.token_ids, f"bfloat16 {request_id}", BFLOAT16_NEAR_TIE)
+
+
+def test_a_bfloat16_step_moves_no_more_bytes_than_one_and_a_half_float32_steps(tiny_llama_dir):
+    """The regression check for the widened pool, on any machine: XLA's own count of the bytes each compiled
+    step program reads and writes (its cost analysis, not a timing). Half-width weights and pool make a bfloat16
+    step move about half a float32 one's bytes; the pool widened around every write made it twice a float32
+    step's (measured 0.61x and 2.1x here). The pool is made far bigger than the tiny model's weights so that
+    what happens to it dominates the count."""
+    moved = {}
+    for dtype in ("float32", "bfloat16"):
+        model = load_model(str(tiny_llama_dir), jnp.dtype(dtype), progress=False)
+        engine = LLMEngine(EngineConfig(num_blocks=16000, **dict(ARGS, dtype=dtype)), model=model)
+        run(engine)
+        moved[dtype] = {
+            layout: compiled.cost_analysis()["bytes accessed"]
+            for layout, compiled in engine.runner._compiled.items()
+        }
+    assert moved["float32"].keys() == moved["bfloat16"].keys()
+    for layout, float32_bytes in moved["float32"].items():
+        assert moved["bfloat16"][layout] <= 1.5 * float32_bytes, layout
