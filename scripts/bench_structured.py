@@ -1,12 +1,22 @@
-"""Structured outputs, the grammar side (no engine): on the default model's tokenizer, per spec, the time of a
-first-seen compile, of a cached one (a copy of the compiled matcher), and of one token's bitmask fill, median over
-a generation driven by a stand-in sampler (the lowest allowed token, EOS when allowed), one row and a batch of 64.
+"""Structured outputs on the default model, two parts in one run.
 
-  python scripts/bench_structured.py
+The grammar side (no engine), on the default model's tokenizer, per spec: the time of a first-seen compile, of a
+cached one (a copy of the compiled matcher), and of one token's bitmask fill, median over a generation driven by a
+stand-in sampler (the lowest allowed token, EOS when allowed), one row and a batch of 64.
+
+The engine side (--engine): one warm engine, greedy, --batch requests of --output-len tokens each after a random
+--input-len-token prompt: an unconstrained batch against one where a quarter of the requests are constrained by a
+JSON schema that cannot complete within --output-len tokens (so both batches generate the same tokens), the two
+alternating --rounds times (median wall time of each); then the time to the first token of one request whose
+schema the engine has never seen (compiled while it waits) against the same schema again (cached).
+
+  python scripts/bench_structured.py                 # grammar side only
+  python scripts/bench_structured.py --engine        # and the engine side
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -16,9 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jpaged.config import EngineConfig  # noqa: E402
+from jpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jpaged.models.default_model import default_model_path  # noqa: E402
 from jpaged.models.loader import load_model  # noqa: E402
-from jpaged.sampling_params import StructuredOutputsParams  # noqa: E402
+from jpaged.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from jpaged.structured import GrammarCompiler, allocate_bitmask, allowed_tokens, fill_bitmasks  # noqa: E402
 
 PERSON = {
@@ -72,7 +84,81 @@ def batch_fill_time(compiler: GrammarCompiler, spec: StructuredOutputsParams, ro
     return time.perf_counter() - start
 
 
+# At least 40 words of three: longer than any --output-len the engine part uses, so a constrained request runs
+# its full length as an unconstrained one does.
+LONG_LIST = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 40}
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+    """Wall time and output tokens of one batch, all requests added at once."""
+    start = time.perf_counter()
+    for i, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"b{start}-{i}", prompt, request_params)
+    tokens = 0
+    while engine.has_unfinished():
+        tokens += sum(len(out.outputs[0].token_ids) for out in engine.step() if out.finished)
+    return time.perf_counter() - start, tokens
+
+
+def time_to_first_token(engine: LLMEngine, prompt: list[int], schema: dict) -> float:
+    params = SamplingParams(
+        max_tokens=1, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    start = time.perf_counter()
+    engine.add_request(f"t{start}", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def engine_part(args: argparse.Namespace) -> None:
+    engine = LLMEngine(EngineConfig(max_num_seqs=args.batch, enable_prefix_caching=False))
+    warm = engine.metrics()["num_compilations"]
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, vocab - 100, args.input_len).tolist() for _ in range(args.batch)]
+    free = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(
+        max_tokens=args.output_len,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json=LONG_LIST),
+    )
+    mixed = [constrained if i % 4 == 0 else free for i in range(args.batch)]
+    run_batch(engine, prompts[:4], mixed[:4])  # compiles LONG_LIST once: the batches find it cached
+    times: dict[str, list[float]] = {"unconstrained": [], "25% constrained": []}
+    for _ in range(args.rounds):
+        for name, params in (("unconstrained", [free] * args.batch), ("25% constrained", mixed)):
+            seconds, tokens = run_batch(engine, prompts, params)
+            assert tokens == args.batch * args.output_len, (name, tokens)  # the same work in both
+            times[name].append(seconds)
+    base = statistics.median(times["unconstrained"])
+    print(f"\n{args.batch} requests x {args.input_len} in / {args.output_len} out, median of {args.rounds}:")
+    for name, runs in times.items():
+        median = statistics.median(runs)
+        rate = args.batch * args.output_len / median
+        print(f"  {name:<16} {median:6.2f} s  {rate:6.1f} output tok/s  {median / base:.3f}x the time")
+    first, cached = [], []
+    for i in range(args.rounds):
+        schema = dict(PERSON, properties={**PERSON["properties"], f"field_{i}": {"type": "string"}})
+        first.append(time_to_first_token(engine, prompts[i], schema))
+        cached.append(time_to_first_token(engine, prompts[i], schema))
+    print(
+        f"  time to first token, first-seen schema {1e3 * statistics.median(first):.0f} ms, "
+        f"cached {1e3 * statistics.median(cached):.0f} ms (median of {args.rounds}, nested schema)"
+    )
+    print(f"  compilations after warm-up: {engine.metrics()['num_compilations'] - warm}")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--engine", action="store_true", help="also time the engine side")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
     tokenizer = load_model(str(default_model_path()), progress=False).tokenizer
     compiler = GrammarCompiler(tokenizer, len(tokenizer))
     start = time.perf_counter()
@@ -91,8 +177,10 @@ def main() -> None:
         print(
             f"{name:<22} {1e3 * first:>10.2f} {1e3 * cached:>10.3f} {1e6 * fill:>14.0f} {1e3 * batch:>12.2f}"
         )
-    print("command: python scripts/bench_structured.py")
     compiler.shutdown()
+    if args.engine:
+        engine_part(args)
+    print("command: python scripts/bench_structured.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":
