@@ -12,7 +12,7 @@ import httpx
 import pytest
 from engine_gate import EngineGate, wait_until
 from jpaged_server.api_server import build_app
-from server_harness import serve_in_thread, small_config
+from server_harness import serve_in_thread, shared_engine, small_config
 
 from jpaged.engine.async_engine import AsyncLLMEngine
 
@@ -134,4 +134,31 @@ def test_past_the_waiting_cap_a_request_gets_503_with_retry_after(server, engine
     # The clients that went away freed their blocks with their aborts.
     wait_until(lambda: engine.num_unfinished == 0, message="closed streams left requests running")
     metrics = engine.metrics()
+    assert metrics["num_free_blocks"] == metrics["num_total_blocks"]
+
+
+def test_a_request_queued_behind_a_failed_step_is_served_as_if_alone(tiny_model_dir):
+    """One sequence at a time: the failed step ran only the first request; the one waiting behind it is not
+    blamed, and its output is the one it gets alone."""
+    single = shared_engine(small_config(tiny_model_dir, max_num_seqs=1))
+    with serve_in_thread(build_app(single, "tiny")) as running:
+        url = f"{running.base_url}/v1/completions"
+        alone = httpx.post(url, json=GREEDY, timeout=60).json()["choices"][0]["text"]
+        long_body = {"prompt": [1], "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+        with (
+            FailOneDispatch(single) as fault,
+            EngineGate(single) as gate,
+            concurrent.futures.ThreadPoolExecutor(2) as pool,
+        ):
+            first = pool.submit(httpx.post, url, json=long_body, timeout=60)
+            assert gate.parked.wait(60), "the first request never reached the engine"
+            queued = pool.submit(httpx.post, url, json=GREEDY, timeout=60)
+            wait_until(lambda: single.num_unfinished == 2, message="the second request was not queued")
+            fault.armed.set()
+            gate.release()
+            failed, served = first.result(), queued.result()
+        assert fault.fired.is_set()
+        assert failed.status_code == 500 and "injected device fault" in failed.json()["error"]["message"]
+        assert served.status_code == 200 and served.json()["choices"][0]["text"] == alone
+    metrics = single.metrics()
     assert metrics["num_free_blocks"] == metrics["num_total_blocks"]
