@@ -7,6 +7,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# dtype="auto" is bfloat16 on CPUs with bfloat16 dot products; the tests compare engines against float32
+# references (transformers, numpy, each other across processes), so auto means float32 here on every CPU.
+# test_engine_startup.py tests the choice itself.
+os.environ.setdefault("JPAGED_CPU_AUTO_DTYPE", "float32")
 
 import functools  # noqa: E402
 from pathlib import Path  # noqa: E402

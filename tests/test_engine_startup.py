@@ -13,6 +13,7 @@ from jpaged.core.kv_cache_sizing import GIB, kv_bytes_per_token
 from jpaged.engine import startup
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.runner.tensor_parallel import tensor_parallel_mesh
+from jpaged.runner.weight_layout import CPU_AUTO_DTYPE_ENV
 
 PEAK = 64 << 20  # the step's activations, as activation_peak_bytes would measure them
 
@@ -96,6 +97,7 @@ def test_with_tensor_parallelism_the_memory_is_per_device(tiny_llama):
 def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_kernel_multiplies_bfloat16(
     monkeypatch, caplog, instructions, expected
 ):
+    monkeypatch.delenv(CPU_AUTO_DTYPE_ENV)
     monkeypatch.setattr(cpu_kernels, "bfloat16_arithmetic", lambda: instructions)
     with caplog.at_level(logging.INFO, logger="jpaged.runner.weight_layout"):
         _, dtype = startup.for_this_platform(EngineConfig(dtype="auto"))
@@ -107,3 +109,12 @@ def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_kernel_multiplies_bfloat16
 def test_an_explicit_dtype_is_kept_whatever_the_cpu(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "bfloat16_arithmetic", lambda: "avx512_bf16")
     assert startup.for_this_platform(EngineConfig(dtype="float32"))[1] == jnp.float32
+
+
+def test_the_environment_pins_what_auto_means_on_cpu(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "bfloat16_arithmetic", lambda: None)
+    monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "bfloat16")
+    assert startup.for_this_platform(EngineConfig(dtype="auto"))[1] == jnp.bfloat16
+    monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "float16")
+    with pytest.raises(ValueError, match=CPU_AUTO_DTYPE_ENV):
+        startup.for_this_platform(EngineConfig(dtype="auto"))

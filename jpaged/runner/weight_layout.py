@@ -9,6 +9,7 @@ step's live rows; the LM head as panels too (scripts/bench_matmul.py times it ag
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import jax
@@ -19,6 +20,8 @@ from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
 logger = logging.getLogger(__name__)
+
+CPU_AUTO_DTYPE_ENV = "JPAGED_CPU_AUTO_DTYPE"
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,15 @@ def cpu_auto_dtype() -> np.dtype:
     """bfloat16 where the CPU matmul kernel multiplies bfloat16 with the CPU's own dot-product instructions,
     float32 where it would widen every weight to float32 first (slower at batch sizes past a few rows:
     scripts/KERNELS.md). Decided by what the kernels were built with, not timed at start-up, so one command on
-    one machine always runs one dtype (and gives the same greedy output). Logs which and why."""
+    one machine always runs one dtype (and gives the same greedy output). `JPAGED_CPU_AUTO_DTYPE` pins it (a
+    fleet of mixed CPUs that must answer alike; the tests, which compare against float32 references, pin
+    float32). Logs which and why."""
+    pinned = os.environ.get(CPU_AUTO_DTYPE_ENV)
+    if pinned:
+        if pinned not in ("float32", "bfloat16"):
+            raise ValueError(f"{CPU_AUTO_DTYPE_ENV} must be float32 or bfloat16, got {pinned!r}")
+        logger.info("dtype auto: %s, as %s says", pinned, CPU_AUTO_DTYPE_ENV)
+        return np.dtype(jax.numpy.dtype(pinned))
     instructions = cpu_kernels.bfloat16_arithmetic()
     if instructions:
         logger.info("dtype auto: bfloat16, the CPU multiplies bfloat16 itself (%s)", instructions)
