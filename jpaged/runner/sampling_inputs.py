@@ -78,6 +78,11 @@ class SamplerOutput(NamedTuple):
     sampled_rank: np.ndarray  # i32[S], 1-based rank of the sampled token under the raw logits
 
 
+def all_allowed_bitmask(num_rows: int, widths: SamplingWidths) -> np.ndarray:
+    """Token bitmask rows with every bit set: every token allowed."""
+    return np.full((num_rows, widths.bitmask_words), -1, np.int32)
+
+
 def neutral_wide(num_rows: int, widths: SamplingWidths) -> dict[str, np.ndarray]:
     """The wide fields of rows that need none of them: no history, no bias, every token allowed."""
     vocab_size = widths.vocab_size
@@ -85,7 +90,7 @@ def neutral_wide(num_rows: int, widths: SamplingWidths) -> dict[str, np.ndarray]
         "history": np.full((num_rows, widths.history_len), vocab_size, np.int32),
         "bias_ids": np.full((num_rows, widths.bias_len), vocab_size, np.int32),
         "bias_values": np.zeros((num_rows, widths.bias_len), np.float32),
-        "token_bitmask": np.full((num_rows, widths.bitmask_words), -1, np.int32),
+        "token_bitmask": all_allowed_bitmask(num_rows, widths),
     }
 
 
@@ -179,11 +184,9 @@ def build_sampling_tensors(
     bans = [_bans(r) for r in rows]
     restricted = any(p.allowed_token_ids is not None for p in params)
     if any(bans) or restricted or any(r.grammar_bitmask is not None for r in rows):
-        fields["token_bitmask"] = np.full(
-            (num_rows, widths.bitmask_words), -1, np.int32
-        )  # padding: unconstrained
+        masks = fields["token_bitmask"] = all_allowed_bitmask(num_rows, widths)  # padding rows stay so
         for i, (row, banned) in enumerate(zip(rows, bans, strict=True)):
-            fields["token_bitmask"][i] = _bitmask(row, banned, widths)
+            masks[i] = _bitmask(row, banned, widths)
     return SamplingTensors(**fields)
 
 
