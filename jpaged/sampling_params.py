@@ -20,6 +20,11 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI/vLLM clamp logit_bias values to [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's cap on logit_bias entries; the sampler's fixed bias width
 
 
+def _check_structured_outputs(value) -> None:
+    if value is not None and not isinstance(value, StructuredOutputsParams):
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got {value!r}")
+
+
 class RequestOutputKind(enum.Enum):
     """Which outputs a request produces (vLLM's RequestOutputKind)."""
 
@@ -189,12 +194,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must contain only ints, got {value!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        if self.structured_outputs is not None and not isinstance(
-            self.structured_outputs, StructuredOutputsParams
-        ):
-            raise ValueError(
-                f"structured_outputs must be a StructuredOutputsParams or None, got {self.structured_outputs!r}"
-            )
+        _check_structured_outputs(self.structured_outputs)
         if self.logit_bias is not None:
             try:
                 {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -243,12 +243,15 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class BeamSearchParams:
-    """A beam search request (vLLM's BeamSearchParams subset); the search itself is deterministic."""
+    """A beam search request (vLLM's BeamSearchParams subset); the search itself is deterministic. Under
+    `structured_outputs` every beam follows the grammar (transformers' constrained beam search): a beam's
+    proposals are its best allowed tokens, and a beam ends on the EOS its complete grammar allows."""
 
     beam_width: int
     max_tokens: int = 16
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -260,3 +263,9 @@ class BeamSearchParams:
             raise ValueError(f"length_penalty must be a finite number, got {penalty!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_structured_outputs(self.structured_outputs)
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError(
+                "ignore_eos cannot be combined with structured_outputs in a beam search: a beam whose grammar "
+                "is complete ends on the EOS"
+            )

@@ -56,7 +56,7 @@ def _engine_inputs(
             prompt_param="prompt",
         )
         if body.use_beam_search:
-            params = _beam_search_params(body, max_tokens)
+            params = _beam_search_params(body, max_tokens, spec)
         else:
             params = sampling_params(
                 body, max_tokens=max_tokens, logprobs=body.logprobs, structured_outputs=spec
@@ -85,8 +85,11 @@ _NOT_WITH_BEAM_SEARCH = (
 )
 
 
-def _beam_search_params(body: CompletionRequest, max_tokens: int) -> BeamSearchParams:
-    """vLLM's semantics: `n` is the beam width and every beam comes back as a choice, best first."""
+def _beam_search_params(
+    body: CompletionRequest, max_tokens: int, spec: StructuredOutputsParams | None
+) -> BeamSearchParams:
+    """vLLM's semantics: `n` is the beam width and every beam comes back as a choice, best first; under a
+    constraint every beam follows it."""
     for name in _NOT_WITH_BEAM_SEARCH:
         if getattr(body, name) is not None:
             raise APIError(400, f"{name} cannot be combined with use_beam_search", name)
@@ -99,7 +102,7 @@ def _beam_search_params(body: CompletionRequest, max_tokens: int) -> BeamSearchP
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     try:
-        return BeamSearchParams(body.n or 1, max_tokens, body.length_penalty, body.ignore_eos)
+        return BeamSearchParams(body.n or 1, max_tokens, body.length_penalty, body.ignore_eos, spec)
     except ValueError as err:
         field = str(err).split(" ", 1)[0]
         if field == "beam_width":
@@ -113,8 +116,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     spec = None
     if (constraint := requested_spec(body)) is not None:
         spec, param = constraint
-        if body.use_beam_search:
-            raise APIError(400, f"{param} cannot be combined with use_beam_search", param)
         await check_compiles(state, spec, param)
     inputs, prompt_texts = _engine_inputs(state, body, spec)
     state.admit()

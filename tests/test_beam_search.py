@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import httpx
 import pytest
@@ -17,7 +18,8 @@ from jpaged.engine.async_engine import AsyncLLMEngine
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.entrypoints.llm import LLM
 from jpaged.models.loader import load_model
-from jpaged.sampling_params import BeamSearchParams, SamplingParams
+from jpaged.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from jpaged.structured import allocate_bitmask, allowed_tokens, shared_compiler
 
 EOS = 9
 
@@ -65,6 +67,12 @@ def test_stops_once_the_best_live_beam_cannot_beat_the_worst_kept_hypothesis(eos
     assert s.beams == [] if done else [b.token_ids for b in s.beams] == [[5]]
 
 
+def test_a_token_its_grammar_does_not_allow_is_never_taken_even_when_too_few_remain():
+    s = search(3)
+    assert s.step([[(5, -0.1), (6, -2.0), (7, -math.inf), (8, -math.inf)]]) == [0, 0]  # two allowed tokens
+    assert [b.token_ids for b in s.beams] == [[5], [6]]
+
+
 def test_max_tokens_turns_the_top_width_into_hypotheses_and_ends():
     s = search(2, max_tokens=1)
     assert s.step([[(5, -0.1), (6, -0.2), (7, -0.3), (8, -0.4)]]) == []
@@ -80,6 +88,11 @@ def test_max_tokens_turns_the_top_width_into_hypotheses_and_ends():
         (dict(beam_width=2, max_tokens=0), "max_tokens"),
         (dict(beam_width=2, length_penalty=math.nan), "length_penalty"),
         (dict(beam_width=2, ignore_eos=1), "ignore_eos"),
+        (dict(beam_width=2, structured_outputs={"regex": "a"}), "structured_outputs"),
+        (
+            dict(beam_width=2, ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a")),
+            "ignore_eos",
+        ),
     ],
 )
 def test_bad_parameters_raise_naming_the_field(kwargs, field):
@@ -145,12 +158,15 @@ def engine(loaded):
     return LLMEngine(EngineConfig(**ENGINE_ARGS), model=loaded)
 
 
-def hf_beams(model_dir, eos: list[int] | None, length_penalty: float) -> list[tuple[list[int], float]]:
+def hf_beams(
+    model_dir, eos: list[int] | None, length_penalty: float, prefix_allowed_tokens_fn=None
+) -> list[tuple[list[int], float]]:
     """transformers' best WIDTH beams (early_stopping=False), cut after their EOS, with their scores."""
     import torch
 
     out = hf_model(model_dir).generate(
         torch.tensor([PROMPT]),
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
         num_beams=WIDTH,
         num_return_sequences=WIDTH,
         max_new_tokens=MAX_TOKENS,
@@ -197,6 +213,59 @@ def test_beams_ending_on_eos_equal_transformers_with_the_length_penalty(engine, 
     )
     # Unpenalised, the short beam that ended on EOS wins; a length penalty of 1 or more prefers the long ones.
     assert (output.outputs[0].finish_reason == "stop") is (length_penalty == 0.0)
+
+
+# ---- under a grammar ----
+
+
+def grammar_allowed_tokens(engine, spec: StructuredOutputsParams):
+    """transformers' prefix_allowed_tokens_fn for `spec`: what a fresh matcher fed the beam's tokens allows."""
+    config = engine.model_config
+    compiled = shared_compiler(engine.tokenizer, config.vocab_size, tuple(config.eos_token_ids)).compile(spec)
+
+    def allowed(batch_id: int, input_ids) -> list[int]:
+        matcher = compiled.matcher()
+        for token in input_ids[len(PROMPT) :].tolist():
+            assert matcher.accept_token(token)
+        row = allocate_bitmask(1, config.vocab_size)[0]
+        matcher.fill_bitmask(row)
+        return allowed_tokens(row, config.vocab_size).nonzero()[0].tolist()
+
+    return allowed
+
+
+def text_before_eos(engine, beam) -> str:
+    """The beam's text without its EOS (this tiny model's EOS is an ordinary token, decoded as text)."""
+    ended = beam.token_ids[-1] in engine.model_config.eos_token_ids
+    return engine.tokenizer.decode(beam.token_ids[:-1] if ended else beam.token_ids)
+
+
+def test_beams_under_a_grammar_equal_transformers_constrained_beam_search(engine, model_dir):
+    """Each beam proposes its best allowed tokens, where free text would have taken others."""
+    spec = StructuredOutputsParams(regex=r"[a-z ]+")
+    output = run_requests(
+        engine, {"a": (PROMPT, BeamSearchParams(WIDTH, MAX_TOKENS, structured_outputs=spec))}
+    )
+    reference = hf_beams(
+        model_dir, list(engine.model_config.eos_token_ids), 1.0, grammar_allowed_tokens(engine, spec)
+    )
+    assert_same_beams(output["a"], reference, 1.0)
+    free = run_requests(engine, {"b": (PROMPT, BeamSearchParams(WIDTH, MAX_TOKENS))})["b"]
+    assert [o.token_ids for o in free.outputs] != [o.token_ids for o in output["a"].outputs]
+    for beam in output["a"].outputs:
+        assert re.fullmatch(r"[a-z ]+", text_before_eos(engine, beam))
+
+
+def test_beams_under_a_choice_end_on_eos_once_complete_and_free_every_block(engine):
+    choices = ["yes", "no", "maybe"]
+    params = BeamSearchParams(WIDTH, MAX_TOKENS, structured_outputs=StructuredOutputsParams(choice=choices))
+    output = run_requests(engine, {"a": (PROMPT, params)})["a"]
+    assert 1 <= len(output.outputs) <= WIDTH
+    for beam in output.outputs:
+        assert beam.finish_reason == "stop" and beam.token_ids[-1] in engine.model_config.eos_token_ids
+        assert text_before_eos(engine, beam) in choices
+    engine.reset_prefix_cache()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_total_blocks
 
 
 def test_beams_share_the_prompt_blocks_and_dropped_beams_free_theirs_at_once(loaded):
@@ -286,5 +355,11 @@ def test_completions_with_use_beam_search_return_every_beam_as_a_choice(loaded, 
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_p"
             too_wide = http.post("/v1/completions", json={**body, "n": 11})
             assert too_wide.status_code == 400 and too_wide.json()["error"]["param"] == "n"
+            regex = {"structured_outputs": {"regex": "[a-z ]+"}}
+            constrained = http.post("/v1/completions", json={**body, **regex}).json()["choices"]
+            assert len(constrained) == WIDTH
+            assert all(re.fullmatch("[a-z ]+", c["text"]) for c in constrained)
+            bad = http.post("/v1/completions", json={**body, "structured_outputs": {"regex": "("}})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"
     finally:
         server_engine.shutdown(timeout=5)

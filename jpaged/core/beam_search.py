@@ -8,7 +8,8 @@ ends (an EOS, or max_tokens reached) becomes a finished hypothesis if it ranks a
 `cumulative_logprob / num_generated_tokens ** length_penalty` (the EOS counted); the best beam_width that do not
 end become the next live beams. The best beam_width hypotheses are kept. The search stops at max_tokens, or, as
 transformers' `early_stopping=False` does, once beam_width hypotheses are kept and the best live beam, scored at
-its current length, no longer beats the worst of them.
+its current length, no longer beats the worst of them. Under a grammar, the proposals are the beam's best
+allowed tokens (transformers' constrained beam search: its logprobs with the disallowed tokens at -inf).
 
 vLLM's `LLM.beam_search` differs in details (it counts prompt tokens in the length, leaves the EOS out, keeps every
 ended candidate and never stops early); we follow transformers so the two can be compared token for token.
@@ -16,6 +17,7 @@ ended candidate and never stops early); we follow transformers so the two can be
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -75,11 +77,13 @@ class BeamSearch:
             max_tokens=self.max_tokens,
             ignore_eos=True,  # the search decides where beams end
             detokenize=False,
+            structured_outputs=self.params.structured_outputs,
         )
 
     def step(self, proposals: Sequence[Sequence[tuple[int, float]]]) -> list[int]:
         """Advance by one token. `proposals[i]` holds (token id, logprob) pairs for live beam i, at least K of
-        them (or the whole vocabulary). Returns, for each new live beam in `self.beams`, the index of the old
+        them (or the whole vocabulary); a -inf logprob is a token its grammar does not allow, never taken (so a
+        grammar that allows few tokens can leave fewer than beam_width live beams). Returns, for each new live beam in `self.beams`, the index of the old
         beam it extends; an old beam no index names is dropped. Empty once the search is done."""
         if self.done:
             raise ValueError("the beam search is done: it takes no more steps")
@@ -91,6 +95,7 @@ class BeamSearch:
                 (beam.cumulative_logprob + float(logprob), index, int(token))
                 for index, (beam, tokens) in enumerate(zip(self.beams, proposals, strict=True))
                 for token, logprob in tokens
+                if logprob != -math.inf  # a token its grammar does not allow
             ),
             key=lambda candidate: -candidate[0],
         )[: self.num_candidates]

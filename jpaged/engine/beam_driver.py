@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from jpaged.config import EngineConfig
 from jpaged.core.beam_search import BeamSearch
 from jpaged.core.sequence import Request, SequenceState, SequenceStatus
+from jpaged.engine.constrained_decoding import advance
 from jpaged.rounding import cdiv
 from jpaged.runner.sampling_inputs import SamplerOutput
 from jpaged.sampling_params import BeamSearchParams
@@ -94,7 +95,8 @@ class BeamDriver:
 
     def _apply(self, request: Request, proposals: list[list[tuple[int, float]]], now: float) -> None:
         """Apply one beam search decision: a beam chosen k times forks k - 1 times (sharing its blocks, copy on
-        write), each new beam appends its token, and beams nobody continues are freed at once."""
+        write, and its grammar's state), each new beam appends its token, and beams nobody continues are freed
+        at once."""
         parents = request.beam.step(proposals)
         old, continued = list(request.seqs), set()
         beams = []
@@ -103,6 +105,7 @@ class BeamDriver:
             continued.add(parent)
         for seq, beam in zip(beams, request.beam.beams, strict=True):
             seq.token_ids.append(beam.token_ids[-1])
+            advance(seq, beam.token_ids[-1])  # its own grammar (a fork copied its parent's before the token)
         for index, seq in enumerate(old):
             if index not in continued:
                 self._finish(seq)

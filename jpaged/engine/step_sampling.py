@@ -93,6 +93,7 @@ class StepSampling:
                     seq.request.bad_words_token_ids,
                     seq.num_pending,
                     grammar_bitmask,
+                    masked_top_logprobs=seq.request.beam is not None,
                 )
                 for seq, seed, grammar_bitmask in zip(
                     row_seqs, _row_seeds(row_seqs), self._bitmasks(row_seqs), strict=True

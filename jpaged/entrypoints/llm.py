@@ -16,7 +16,12 @@ from jpaged.models.config import ModelConfig
 from jpaged.models.llama import CausalLM, as_params
 from jpaged.models.loader import LoadedModel, ModelSource
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from jpaged.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 PromptType = str | Sequence[int]
 
@@ -118,12 +123,14 @@ class LLM:
         length_penalty: float = 1.0,
         ignore_eos: bool = False,
         *,
+        structured_outputs: StructuredOutputsParams | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Per prompt, its beam_width best beams, best first, as the outputs (token ids with the EOS if one ended
         it, text, cumulative logprob) of one RequestOutput. Scored as transformers' beam search with
-        `length_penalty` and early_stopping=False; the beams share their prompt's KV blocks."""
-        params = BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos)
+        `length_penalty` and early_stopping=False; the beams share their prompt's KV blocks. Under
+        `structured_outputs` every beam follows the grammar (transformers' constrained beam search)."""
+        params = BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos, structured_outputs)
         prompts = _as_prompt_list(prompts)
         return self._add_and_run(prompts, [params] * len(prompts), use_tqdm)
 
@@ -161,7 +168,7 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         for p in params:  # offline, a grammar that does not compile is the caller's ValueError, up front
-            if isinstance(p, SamplingParams) and p.structured_outputs is not None:
+            if p.structured_outputs is not None:
                 self.engine.constrained.compile(p.structured_outputs)
         ids = []
         try:

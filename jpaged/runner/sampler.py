@@ -5,7 +5,8 @@ per row, K = MAX_LOGPROBS top logprobs.
 
 Stages, in vLLM v1's order: the token bitmask (allowed_token_ids, bad words, min_tokens, structured outputs) and
 logit_bias -> penalties (repetition on prompt+output, frequency and presence on output) -> temperature -> min_p
--> top_k -> top_p -> draw. Logprobs are of the raw logits (vLLM's "raw_logprobs").
+-> top_k -> top_p -> draw. Logprobs are of the raw logits (vLLM's "raw_logprobs"); a beam search's rows take
+their top K after the bitmask (its grammar's disallowed tokens at -inf), the proposals of a constrained search.
 
 One program per shape: every input is present with a fixed shape (sampling_inputs.py), and a stage no row needs
 is skipped at run time, by `lax.cond` on a predicate read off the inputs (no row restricted, biased, penalised,
@@ -260,9 +261,10 @@ def _processed_logits(raw: jax.Array, t: SamplingTensors, *, branch_free: bool) 
 
 
 def gather_logprobs(
-    logits: jax.Array, token_ids: jax.Array, num_logprobs: int
+    logits: jax.Array, token_ids: jax.Array, num_logprobs: int, ranked: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Logprobs of raw logits [N, V]: [N, 1 + K] values and ids (the given token, then the top K), and rank.
+    The top K are those of `ranked` (default: the logits), normalised as the logits are.
 
     Also serves prompt logprobs: pass the prompt positions' logits and the next prompt tokens. Never
     materialises log_softmax over V: ranks and top-K are read off the logits, then shifted by logsumexp.
@@ -271,7 +273,7 @@ def gather_logprobs(
     log_normaliser = peak + jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)
     rank = jnp.sum(logits >= chosen, axis=-1).astype(jnp.int32)  # vLLM counts ties as ahead
-    top_values, top_ids = jax.lax.top_k(logits, num_logprobs)
+    top_values, top_ids = jax.lax.top_k(logits if ranked is None else ranked, num_logprobs)
     values = jnp.concatenate([chosen, top_values], axis=-1) - log_normaliser
     ids = jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
     return values, ids, rank
@@ -294,7 +296,10 @@ def sample(logits: jax.Array, t: SamplingTensors, *, branch_free: bool = False) 
         )
 
     def logprobs():
-        return gather_logprobs(raw, token_ids, MAX_LOGPROBS)
+        # Beam rows rank their proposals after the bitmask, as transformers' constrained beam search does
+        # (log-softmax of the raw logits, disallowed tokens at -inf); they have no bias or penalties.
+        ranked = jnp.where(t.masked_top_logprobs[:, None], processed, raw)
+        return gather_logprobs(raw, token_ids, MAX_LOGPROBS, ranked)
 
     if branch_free:
         return SamplerOutput(token_ids, *logprobs())

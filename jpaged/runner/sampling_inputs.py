@@ -37,6 +37,7 @@ class SamplingRow:
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # from engine.tokenizer.tokenize_bad_words
     num_pending: int = 0  # tokens it has sampled that are still on the device (async scheduling)
     grammar_bitmask: np.ndarray | None = None  # structured outputs: i32[W], the tokens its grammar allows now
+    masked_top_logprobs: bool = False  # beam search: its top logprobs are its best allowed tokens
 
 
 class SamplingTensors(NamedTuple):
@@ -51,6 +52,7 @@ class SamplingTensors(NamedTuple):
     frequency_penalty: np.ndarray  # f32[S]
     repetition_penalty: np.ndarray  # f32[S]
     wants_logprobs: np.ndarray  # bool[S]
+    masked_top_logprobs: np.ndarray  # bool[S] the top K are ranked after the token bitmask (beam search)
     top_k: np.ndarray | None = None  # i32[S], 0 = off; None only branch-free, when no row truncates
     top_p: np.ndarray | None = None  # f32[S]
     history: np.ndarray | None = None  # i32[S, H] prompt then output tokens, padded with V
@@ -157,6 +159,7 @@ def build_sampling_tensors(
         "frequency_penalty": column([p.frequency_penalty for p in params], 0.0, np.float32),
         "repetition_penalty": column([p.repetition_penalty for p in params], 1.0, np.float32),
         "wants_logprobs": column([p.logprobs is not None for p in params], False, bool),
+        "masked_top_logprobs": column([r.masked_top_logprobs for r in rows], False, bool),
     }
     if truncation or any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         # A top_k of the vocabulary or more keeps every token: clamped, any int a client sends fits int32.
