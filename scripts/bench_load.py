@@ -7,8 +7,9 @@ also counts the pages of memory-mapped files read, which the kernel may drop at 
 Sources: the embedded SmolLM2 GGUF (dequantised through the conversion cache, as every start after the first
 reads it) and an orbax checkpoint of it (`jpaged convert`, written to --orbax-dir first if missing). Then the
 weights loaded and placed on 3 simulated CPU devices at tensor_parallel_size 3, read whole first (eager) or each
-device's part from the cache file (lazy, as tensor parallelism loads): the devices' buffers are this process's
-memory too, so placing costs 1x the weights either way, and what eager loading adds on top is the host's copy.
+device's part from the cache file or the orbax checkpoint (lazy, as tensor parallelism loads): the devices'
+buffers are this process's memory too, so placing costs 1x the weights either way, and what eager loading adds on
+top is the host's copy.
 
   python scripts/bench_load.py
 """
@@ -101,6 +102,8 @@ def main() -> None:
         ("orbax checkpoint", args.orbax_dir, "load"),
         ("GGUF cache, placed at tp 3, read whole", "default", "eager"),
         ("GGUF cache, placed at tp 3, each device's part read", "default", "lazy"),
+        ("orbax, placed at tp 3, read whole first", args.orbax_dir, "eager"),
+        ("orbax, placed at tp 3, restored into each device's shard", args.orbax_dir, "lazy"),
     )
     for name, source, mode in runs:
         figures = measure(source, mode)

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 
 from jpaged import LLM, SamplingParams
+from jpaged.models import checkpoint
+from jpaged.models.checkpoint import CheckpointedWeight
 from jpaged.models.loader import load_model
 
 PROMPTS = [list(range(100, 120)), list(range(5, 40)), [7, 7, 7]]
@@ -38,7 +40,28 @@ def placed_as_laid_out(runner, model: str | None) -> bool:
     )
 
 
+def count_orbax_reads() -> dict[str, int]:
+    """From here on, how often an orbax checkpoint was restored into shards (restore_sharded) and how many of its
+    leaves were read whole (CheckpointedWeight.__getitem__)."""
+    counts = {"sharded restores": 0, "leaves read whole": 0}
+
+    def counted(function, name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    checkpoint.restore_sharded = counted(checkpoint.restore_sharded, "sharded restores")
+    CheckpointedWeight.__getitem__ = counted(CheckpointedWeight.__getitem__, "leaves read whole")
+    return counts
+
+
+ORBAX_READS = count_orbax_reads()
+
+
 def run(model: str | None, tp: int) -> dict:
+    ORBAX_READS.update(dict.fromkeys(ORBAX_READS, 0))
     try:
         llm = LLM(
             model,
@@ -62,6 +85,7 @@ def run(model: str | None, tp: int) -> dict:
         "logprobs": [[{str(k): v.logprob for k, v in step.items()} for step in o.logprobs] for o in outputs],
         "qkv_bytes": [qkv.nbytes, per_device_bytes(qkv)],
         "pool_bytes": [pool.nbytes, per_device_bytes(pool)],
+        "orbax reads": dict(ORBAX_READS),
         "placed as laid out": placed_as_laid_out(runner, model),
     }
 

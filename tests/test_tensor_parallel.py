@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from jpaged.models.checkpoint import save_checkpoint
+from jpaged.models.loader import load_model
+
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 
 
@@ -55,6 +58,19 @@ def test_two_and_four_devices_generate_as_one_and_hold_their_share(family, tiny_
     assert_same_tokens(runs["1"], runs["4"], 1e-5)
     one_pool = runs["1"]["pool_bytes"][0]
     assert runs["4"]["pool_bytes"] == [2 * one_pool, [one_pool // 2] * 4]
+
+
+def test_an_orbax_checkpoint_is_restored_straight_into_each_devices_shard(tiny_model_dir, tmp_path):
+    """Each device reads its own part of every leaf from the checkpoint (its KV heads twice over at tp 4), and
+    the engine generates as one device does."""
+    source = load_model(str(tiny_model_dir("qwen2_bias")), progress=False)
+    save_checkpoint(tmp_path / "ckpt", source.config, source.params, source.tokenizer)
+    runs = generate(str(tmp_path / "ckpt"), 1, 2, 4)
+    assert_same_as_one_device(runs, 2)
+    assert_same_tokens(runs["1"], runs["4"], 1e-5)
+    assert runs["4"]["placed as laid out"]
+    restored = {"sharded restores": 1, "leaves read whole": 0}
+    assert runs["2"]["orbax reads"] == runs["4"]["orbax reads"] == restored
 
 
 def test_the_embedded_model_splits_its_nine_heads_three_ways_and_refuses_two():

@@ -17,7 +17,7 @@ import numpy as np
 from flax.traverse_util import unflatten_dict
 from transformers import PreTrainedTokenizerBase
 
-from jpaged.models.checkpoint import ORBAX_MARKER, restore_checkpoint
+from jpaged.models.checkpoint import ORBAX_MARKER, lazy_checkpoint, restore_checkpoint
 from jpaged.models.config import ModelConfig
 from jpaged.models.default_model import default_model_path
 from jpaged.models.gguf_cache import load_converted, store_converted
@@ -89,11 +89,12 @@ def load_model(
     """Load config, params and tokenizer from any supported source; logs time, parameter count and bytes.
 
     `lazy` (for tensor parallelism): HF safetensors and the GGUF conversion cache give lazy weights, read only
-    where indexed (lazy_weights.py); orbax checkpoints and a GGUF's first conversion are read whole."""
+    where indexed (lazy_weights.py), orbax checkpoints CheckpointedWeights that tensor parallelism restores into
+    their shards; a GGUF's first conversion is read whole."""
     start = time.perf_counter()
     source = resolve_model(model)
     if source.kind == "orbax":
-        config, params = restore_checkpoint(source.path, dtype)
+        config, params = (lazy_checkpoint if lazy else restore_checkpoint)(source.path, dtype)
         tokenizer = load_tokenizer(source.path)
     elif source.kind == "hf":
         config = read_hf_config(source.path)

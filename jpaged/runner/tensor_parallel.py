@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -93,6 +94,34 @@ def place_sharded(params: dict, shardings: dict, columns: dict) -> dict:
         return jax.make_array_from_callback(shape, sharding, part)
 
     return jax.tree_util.tree_map_with_path(place, params, shardings)
+
+
+def place_restored(params: dict, shardings: dict, columns: dict) -> dict:
+    """Checkpointed params (models.checkpoint.CheckpointedWeight) on the mesh, each process reading only its own
+    devices' parts from the checkpoint. A leaf that `columns` names (see place_sharded) is restored split along
+    another axis, then gathered on the devices into its step columns and resharded (an all-to-all): no device
+    holds a whole matrix either."""
+    from jpaged.models.checkpoint import restore_sharded
+
+    mesh = next(iter(jax.tree_util.tree_leaves(shardings))).mesh
+    size = mesh.shape[AXIS]
+
+    def source_sharding(path, leaf, sharding: NamedSharding) -> NamedSharding:
+        if jax.tree_util.keystr(path) not in columns:
+            return sharding
+        axis = next((i for i, dim in enumerate(leaf.shape[:-1]) if dim % size == 0), None)
+        return NamedSharding(mesh, P(*(AXIS if i == axis else None for i in range(leaf.ndim))))
+
+    restored = restore_sharded(params, jax.tree_util.tree_map_with_path(source_sharding, params, shardings))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(restored)
+    del restored
+    paths, leaves = [jax.tree_util.keystr(path) for path, _ in flat], [leaf for _, leaf in flat]
+    del flat
+    for i, (path, sharding) in enumerate(zip(paths, jax.tree_util.tree_leaves(shardings), strict=True)):
+        if (source := columns.get(path)) is not None:  # the restored matrix is freed once gathered
+            gather = jax.jit(lambda w, source=source: jnp.take(w, source, axis=-1), out_shardings=sharding)
+            leaves[i] = gather(leaves[i])
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jpaged.models.checkpoint import CheckpointedWeight
 from jpaged.models.config import ModelConfig
 from jpaged.models.fused_columns import replicate_kv_heads
 from jpaged.models.lazy_weights import LazyWeight
 from jpaged.models.llama import MatrixProducts
-from jpaged.runner.tensor_parallel import place_sharded
+from jpaged.runner.tensor_parallel import place_restored, place_sharded
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,13 @@ class WeightPlacement:
     def place(self, params: dict) -> dict:
         """The loaders' params on the device in the step's layout. Sharded, host arrays and lazy weights go to
         each device as its own part (tensor_parallel.place_sharded: a lazy weight reads just that part from its
-        file); device arrays (a trainer's) are laid out where they are."""
-        on_host = not any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(params))
+        file; an orbax checkpoint's are restored into their shards, place_restored); device arrays (a
+        trainer's) are laid out where they are."""
+        leaves = jax.tree_util.tree_leaves(params)
+        on_host = not any(isinstance(x, jax.Array) for x in leaves)
         if self.shardings is not None and on_host:
+            if all(isinstance(x, CheckpointedWeight) for x in leaves):
+                return place_restored(params, self.shardings, self._fused_columns(params))
             return place_sharded(params, self.shardings, self._fused_columns(params))
         read = jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, LazyWeight) else x, params)
         return self.to_device(self.layout(read))
