@@ -65,6 +65,35 @@ def test_a_concurrency_sweep_runs_each_point_and_draws_the_dial(server, tmp_path
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_request_rate_sweep_runs_each_rate_with_the_concurrency_given(server, tmp_path, capsys):
+    code, saved = bench(
+        server, tmp_path, "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "3",
+        "--ignore-eos", "--max-concurrency", "2", "--sweep-request-rate", "50,inf",
+    )  # fmt: skip
+    assert code == 0
+    assert [(p["request_rate"], p["max_concurrency"]) for p in saved["points"]] == [
+        (50.0, 2),
+        (float("inf"), 2),
+    ]
+    assert all(p["completed"] == 3 for p in saved["points"])
+    table = capsys.readouterr().out
+    assert re.search(r"^\| request rate \| req/s", table, re.M) and re.search(
+        r"^\| inf \| [\d.]+ \|", table, re.M
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--sweep-request-rate", "4,0"], "sweep_request_rate values must be > 0, got 4,0"),
+        (["--sweep-concurrency", "1,x"], "sweep_concurrency must be comma-separated numbers, got '1,x'"),
+    ],
+)
+def test_a_sweep_of_bad_values_is_refused_naming_the_flag(server, flags, message, capsys):
+    assert main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "1", *flags]) == 2
+    assert capsys.readouterr().err == f"jpaged: error: {message}\n"
+
+
 def test_requests_the_server_refuses_count_as_failed(server, tmp_path):
     # 300 prompt tokens do not fit the server's max_model_len of 256: every request gets a 400.
     code, saved = bench(server, tmp_path, "--num-prompts", "2", "--random-input-len", "300")

@@ -37,12 +37,49 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the random dataset's and the arrivals'")
     parser.add_argument("--save-result", action="store_true")
     parser.add_argument("--result-filename", default=None, help="default: bench-serve-<time>.json")
-    parser.add_argument(
+    sweeps = parser.add_mutually_exclusive_group()
+    sweeps.add_argument(
         "--sweep-concurrency", default=None, help="e.g. 1,4,16,64: one run per max concurrency"
     )
-    parser.add_argument(
-        "--plot", default=None, help="with --sweep-concurrency: the dial as a PNG (matplotlib)"
+    sweeps.add_argument(
+        "--sweep-request-rate", default=None, help="e.g. 1,4,16,inf: one run per request rate (requests/s)"
     )
+    parser.add_argument("--plot", default=None, help="with a sweep: the dial as a PNG (matplotlib)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One run of a sweep (or the single run): its max concurrency and request rate."""
+
+    max_concurrency: int | None
+    request_rate: float
+
+
+def sweep_points(args: argparse.Namespace) -> tuple[str | None, list[Point]]:
+    """The dial a sweep turns ("max concurrency" or "request rate", None for one run) and its points."""
+    if args.request_rate <= 0 or args.burstiness <= 0:
+        raise ValueError("request_rate and burstiness must be > 0")
+    for name, dial, parse in (
+        ("sweep_concurrency", "max concurrency", int),
+        ("sweep_request_rate", "request rate", float),
+    ):
+        given = getattr(args, name, None)
+        if given is None:
+            continue
+        try:
+            values = [parse(v) for v in given.split(",")]
+        except ValueError:
+            raise ValueError(f"{name} must be comma-separated numbers, got {given!r}") from None
+        if not all(v > 0 for v in values):
+            raise ValueError(f"{name} values must be > 0, got {given}")
+        if parse is int:
+            return dial, [Point(v, args.request_rate) for v in values]
+        return dial, [Point(args.max_concurrency, v) for v in values]
+    return None, [Point(args.max_concurrency, args.request_rate)]
+
+
+def dial_value(dial: str, point: Point) -> str:
+    return str(point.max_concurrency if dial == "max concurrency" else f"{point.request_rate:g}")
 
 
 def add_figure_args(parser: argparse.ArgumentParser) -> None:
@@ -98,23 +135,24 @@ def report(metrics: ServeMetrics, selected: list[str], title: str = "Serving Ben
     return "\n".join(lines)
 
 
-def sweep_table(points: list[tuple[int, ServeMetrics]]) -> str:
-    """One row per concurrency: the throughput against the latencies it costs (the dial)."""
+def sweep_table(dial: str, points: list[tuple[Point, ServeMetrics]]) -> str:
+    """One row per point of the dial: the throughput against the latencies it costs."""
     rows = [
-        "| max concurrency | req/s | output tok/s | median TTFT ms | p99 TTFT ms | median TPOT ms | p99 TPOT ms |",
+        f"| {dial} | req/s | output tok/s | median TTFT ms | p99 TTFT ms | median TPOT ms | p99 TPOT ms |",
         "|---|---|---|---|---|---|---|",
     ]
-    for concurrency, m in points:
+    for point, m in points:
         p99 = max(m.ttft.percentiles)  # the highest percentile asked for (99 by default)
         rows.append(
-            f"| {concurrency} | {m.request_throughput:.2f} | {m.output_throughput:.1f} | {m.ttft.median:.1f} | "
-            f"{m.ttft.percentiles[p99]:.1f} | {m.tpot.median:.1f} | {m.tpot.percentiles[p99]:.1f} |"
+            f"| {dial_value(dial, point)} | {m.request_throughput:.2f} | {m.output_throughput:.1f} | "
+            f"{m.ttft.median:.1f} | {m.ttft.percentiles[p99]:.1f} | {m.tpot.median:.1f} | "
+            f"{m.tpot.percentiles[p99]:.1f} |"
         )
     return "\n".join(rows)
 
 
-def plot_sweep(points: list[tuple[int, ServeMetrics]], path: Path) -> None:
-    """Output tokens/s against median and p99 TPOT and TTFT, each point labelled with its concurrency."""
+def plot_sweep(dial: str, points: list[tuple[Point, ServeMetrics]], path: Path) -> None:
+    """Output tokens/s against median and p99 TPOT and TTFT, each point labelled with its dial setting."""
     try:
         import matplotlib
     except ImportError:
@@ -131,13 +169,14 @@ def plot_sweep(points: list[tuple[int, ServeMetrics]], path: Path) -> None:
         ):
             latency = [value(getattr(m, name)) for _, m in points]
             ax.plot(latency, throughput, marker="o", label=f"{label} {title}")
-            for (concurrency, _), x, y in zip(points, latency, throughput, strict=True):
-                ax.annotate(str(concurrency), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            for (point, _), x, y in zip(points, latency, throughput, strict=True):
+                text = dial_value(dial, point)
+                ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel(f"{title} (ms)")
         ax.set_ylabel("output tokens/s")
         ax.grid(alpha=0.3)
         ax.legend()
-    figure.suptitle("throughput against latency, by max concurrency")
+    figure.suptitle(f"throughput against latency, by {dial}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -147,46 +186,39 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from jpaged.benchmarks.serve_metrics import parse_goodput, serve_metrics
 
     selected, percentiles = figures_asked(args)
-    try:
-        sweep = [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else None
-    except ValueError:
-        raise ValueError("sweep_concurrency must be comma-separated numbers") from None
-    if args.request_rate <= 0 or args.burstiness <= 0:
-        raise ValueError("request_rate and burstiness must be > 0")
-    if sweep is not None and min(sweep) < 1:
-        raise ValueError(f"sweep_concurrency values must be >= 1, got {args.sweep_concurrency}")
+    dial, sweep = sweep_points(args)
     goodput = parse_goodput(args.goodput) if args.goodput else None
     requests = requests_from(args)
     points = []
-    for concurrency in sweep or [args.max_concurrency]:
+    for point in sweep:
         timings, duration = asyncio.run(
             run_requests(
                 args.base_url,
                 args.model,
                 requests,
-                request_rate=args.request_rate,
+                request_rate=point.request_rate,
                 burstiness=args.burstiness,
-                max_concurrency=concurrency,
+                max_concurrency=point.max_concurrency,
                 ignore_eos=args.ignore_eos,
                 seed=args.seed,
                 progress=not args.disable_tqdm,
             )
         )
         metrics = serve_metrics(timings, duration, percentiles, goodput)
-        if sweep:
-            print(f"max concurrency {concurrency}:")
+        if dial:
+            print(f"{dial} {dial_value(dial, point)}:")
         print(report(metrics, selected))
-        points.append((concurrency, metrics))
-    if sweep:
-        print(sweep_table(points))
+        points.append((point, metrics))
+    if dial:
+        print(sweep_table(dial, points))
         if args.plot:
-            plot_sweep(points, Path(args.plot))
+            plot_sweep(dial, points, Path(args.plot))
             print(f"plotted {args.plot}")
     if args.save_result:
         path = Path(args.result_filename or f"bench-serve-{time.strftime('%Y%m%d-%H%M%S')}.json")
         config = {k: v for k, v in vars(args).items() if k != "run"}
-        results = [{"max_concurrency": c, **dataclasses.asdict(m)} for c, m in points]
-        saved = {"config": config, **results[0]} if not sweep else {"config": config, "points": results}
+        results = [{**dataclasses.asdict(p), **dataclasses.asdict(m)} for p, m in points]
+        saved = {"config": config, **results[0]} if not dial else {"config": config, "points": results}
         path.write_text(json.dumps(saved, indent=2, default=str))
         print(f"saved {path}")
     return 0 if all(m.completed for _, m in points) else 1
