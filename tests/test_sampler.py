@@ -5,46 +5,22 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from sampler_harness import WIDTHS, V, jitted_sample, rows_of, with_neutral_wide
 from scipy import stats
 
 from jpaged.runner.sampler import (
     _candidate_threshold,
     _LogWeights,
     _top_k_top_p_threshold,
-    allowed_tokens,
     apply_penalties,
-    sample,
 )
-from jpaged.runner.sampling_inputs import (
-    WIDE_FIELDS,
-    SamplingRow,
-    SamplingTensors,
-    SamplingWidths,
-    build_sampling_tensors,
-    neutral_wide,
-)
-from jpaged.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
+from jpaged.runner.sampling_inputs import SamplingRow, build_sampling_tensors
+from jpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 
-V = 1024  # several blocks of the two-level draw, and more than the first top_k/top_p candidate tier
 DRAWS = 4096
 LIVE = np.random.default_rng(0).choice(V, 32, replace=False)  # the tokens with probability, spread over V
 LOGITS = np.full(V, -np.inf, np.float32)
 LOGITS[LIVE] = np.random.default_rng(1).normal(0.0, 2.0, 32)
-
-WIDTHS = SamplingWidths(V, history_len=64)
-_sample = jax.jit(sample, static_argnames=("branch_free",))
-
-
-def _complete(tensors: SamplingTensors) -> SamplingTensors:
-    """The wide fields the host left out, neutral (what the runner passes from the device)."""
-    neutral = neutral_wide(len(tensors.temperature), WIDTHS)
-    return tensors._replace(**{f: neutral[f] for f in WIDE_FIELDS if getattr(tensors, f) is None})
-
-
-def _rows(
-    params: SamplingParams, n: int, outputs: list[int] | None = None, prompt=(1, 2, 3)
-) -> list[SamplingRow]:
-    return [SamplingRow(params, list(prompt), list(outputs or []), seed=1000 + i) for i in range(n)]
 
 
 def _run(rows: list[SamplingRow], logits: np.ndarray, branch_free=False, truncation=True):
@@ -53,7 +29,7 @@ def _run(rows: list[SamplingRow], logits: np.ndarray, branch_free=False, truncat
         logits if logits.ndim == 1 else np.pad(logits, [(0, DRAWS - len(logits)), (0, 0)])
     )
     tensors = build_sampling_tensors(rows, DRAWS, WIDTHS, truncation=truncation)
-    sampled = _sample(logits, _complete(tensors), branch_free=branch_free)
+    sampled = jitted_sample(logits, with_neutral_wide(tensors), branch_free=branch_free)
     out = jax.tree.map(np.asarray, sampled)
     return jax.tree.map(lambda x: x[: len(rows)], out), tensors
 
@@ -80,7 +56,7 @@ def _truncated(probs: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 def test_temperature_zero_equals_argmax():
     logits = np.random.default_rng(1).normal(size=(8, V)).astype(np.float32)
-    rows = _rows(SamplingParams(temperature=0.0), 5)
+    rows = rows_of(SamplingParams(temperature=0.0), 5)
     out, _ = _run(rows, logits)
     np.testing.assert_array_equal(out.token_ids, logits[:5].argmax(-1))
 
@@ -93,12 +69,12 @@ def test_greedy_rows_take_argmax_inside_a_sampled_batch():
 
 
 def test_plain_temperature_sampling_matches_softmax():
-    out, _ = _run(_rows(SamplingParams(temperature=0.7), DRAWS), LOGITS)
+    out, _ = _run(rows_of(SamplingParams(temperature=0.7), DRAWS), LOGITS)
     _assert_frequencies_match(out.token_ids, _softmax(LOGITS / 0.7))
 
 
 def test_top_k_samples_only_the_k_best_in_proportion():
-    out, _ = _run(_rows(SamplingParams(top_k=5), DRAWS), LOGITS)
+    out, _ = _run(rows_of(SamplingParams(top_k=5), DRAWS), LOGITS)
     keep = np.sort(LOGITS)[-5] <= LOGITS
     _assert_frequencies_match(out.token_ids, _truncated(_softmax(LOGITS), keep))
 
@@ -115,7 +91,7 @@ def test_top_p_samples_only_the_smallest_head_reaching_p():
     probs = _softmax(LOGITS)
     keep = _top_p_keep(probs, 0.6)
     assert 1 < keep.sum() < V  # the test truncates something and still samples
-    out, _ = _run(_rows(SamplingParams(top_p=0.6), DRAWS), LOGITS)
+    out, _ = _run(rows_of(SamplingParams(top_p=0.6), DRAWS), LOGITS)
     _assert_frequencies_match(out.token_ids, _truncated(probs, keep))
 
 
@@ -123,7 +99,7 @@ def test_min_p_drops_tokens_below_fraction_of_the_best():
     probs = _softmax(LOGITS / 0.8)
     keep = probs >= 0.1 * probs.max()
     assert 1 < keep.sum() < V
-    out, _ = _run(_rows(SamplingParams(temperature=0.8, min_p=0.1), DRAWS), LOGITS)
+    out, _ = _run(rows_of(SamplingParams(temperature=0.8, min_p=0.1), DRAWS), LOGITS)
     _assert_frequencies_match(out.token_ids, _truncated(probs, keep))
 
 
@@ -132,14 +108,14 @@ def test_top_k_then_top_p_apply_top_p_to_the_renormalised_top_k():
     top_k = _truncated(probs, np.sort(LOGITS)[-8] <= LOGITS)
     expected = _truncated(top_k, _top_p_keep(top_k, 0.8))
     assert 1 < (expected > 0).sum() < (_top_p_keep(probs, 0.8) & (top_k > 0)).sum()  # renormalising matters
-    out, _ = _run(_rows(SamplingParams(top_k=8, top_p=0.8), DRAWS), LOGITS)
+    out, _ = _run(rows_of(SamplingParams(top_k=8, top_p=0.8), DRAWS), LOGITS)
     _assert_frequencies_match(out.token_ids, expected)
 
 
 def test_same_seed_same_token_regardless_of_row_or_batch():
     logits = np.zeros(V, np.float32)  # uniform: any dependence on the row would show
     params = SamplingParams(temperature=1.0)
-    rows = _rows(params, 16)
+    rows = rows_of(params, 16)
     alone, _ = _run(rows, logits)
     mixed_in = [SamplingRow(SamplingParams(top_k=3), [5], [], seed=7), *reversed(rows)]
     shuffled, _ = _run(mixed_in, logits)
@@ -148,26 +124,26 @@ def test_same_seed_same_token_regardless_of_row_or_batch():
 
 
 def test_top_k_top_p_switched_on_but_unused_draw_like_the_plain_path():
-    rows = _rows(SamplingParams(), 64)
+    rows = rows_of(SamplingParams(), 64)
     plain, tensors = _run(rows, LOGITS, truncation=False)
     assert tensors.top_k is None  # what the branch-free host sends when no row truncates
     carried = tensors._replace(top_k=np.zeros(DRAWS, np.int32), top_p=np.ones(DRAWS, np.float32))
-    out = _sample(np.broadcast_to(LOGITS, (DRAWS, V)), _complete(carried))
+    out = jitted_sample(np.broadcast_to(LOGITS, (DRAWS, V)), with_neutral_wide(carried))
     np.testing.assert_array_equal(np.asarray(out.token_ids)[:64], plain.token_ids)
 
 
 @pytest.mark.parametrize("top_k", [V, 2**31, 2**63])
 def test_a_top_k_past_the_vocabulary_keeps_every_token(top_k):
     """Any int a client sends for top_k packs (no overflow) and draws like top_k off."""
-    off, _ = _run(_rows(SamplingParams(top_p=0.9), 64), LOGITS)
-    huge, _ = _run(_rows(SamplingParams(top_p=0.9, top_k=top_k), 64), LOGITS)
+    off, _ = _run(rows_of(SamplingParams(top_p=0.9), 64), LOGITS)
+    huge, _ = _run(rows_of(SamplingParams(top_p=0.9, top_k=top_k), 64), LOGITS)
     np.testing.assert_array_equal(huge.token_ids, off.token_ids)
 
 
 def test_draw_advances_with_the_number_of_generated_tokens():
     logits = np.zeros(V, np.float32)
-    first, _ = _run(_rows(SamplingParams(), 64), logits)
-    later, _ = _run(_rows(SamplingParams(), 64, outputs=[9]), logits)
+    first, _ = _run(rows_of(SamplingParams(), 64), logits)
+    later, _ = _run(rows_of(SamplingParams(), 64, outputs=[9]), logits)
     assert (first.token_ids != later.token_ids).mean() > 0.8  # ~31/32 expected for a uniform draw
 
 
@@ -219,7 +195,7 @@ def test_repetition_penalty_steers_greedy_away_from_repeats():
 def test_logprobs_are_log_softmax_of_raw_logits_with_top_k_and_rank():
     logits = np.random.default_rng(4).normal(size=(8, V)).astype(np.float32)
     params = SamplingParams(temperature=0.5, frequency_penalty=1.0, logprobs=3)
-    out, _ = _run(_rows(params, 8, outputs=[1, 2]), logits)
+    out, _ = _run(rows_of(params, 8, outputs=[1, 2]), logits)
     raw = np.asarray(jax.nn.log_softmax(logits.astype(np.float64), axis=-1))
     rows_idx = np.arange(8)
     np.testing.assert_array_equal(out.logprob_token_ids[:, 0], out.token_ids)
@@ -232,7 +208,7 @@ def test_logprobs_are_log_softmax_of_raw_logits_with_top_k_and_rank():
 
 
 def test_logprobs_are_skipped_when_no_row_asks():
-    out, _ = _run(_rows(SamplingParams(), 2), LOGITS)
+    out, _ = _run(rows_of(SamplingParams(), 2), LOGITS)
     assert out.logprobs.shape == (2, 1 + MAX_LOGPROBS) and not out.logprobs.any()
     assert not out.sampled_rank.any()
 
@@ -240,7 +216,7 @@ def test_logprobs_are_skipped_when_no_row_asks():
 def test_allowed_token_ids_restrict_only_their_row():
     allowed = [3, 9, 17]
     rows = [
-        *_rows(SamplingParams(allowed_token_ids=allowed), DRAWS - 1),
+        *rows_of(SamplingParams(allowed_token_ids=allowed), DRAWS - 1),
         SamplingRow(SamplingParams(), [1], [], 5),
     ]
     logits = np.zeros(V, np.float32)
@@ -278,72 +254,6 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
     out, _ = _run([early, done], LOGITS)
     assert out.token_ids[0] not in (eos, stop)
     assert out.token_ids[1] == eos
-
-
-def test_every_batch_has_the_same_shapes_and_wide_fields_only_where_a_row_needs_them():
-    plain = build_sampling_tensors(_rows(SamplingParams(temperature=0.8), 3), 8, WIDTHS)
-    assert all(getattr(plain, f) is None for f in WIDE_FIELDS)  # the runner's device copies stand in
-    assert plain.temperature[3:].tolist() == [0.0] * 5  # padded rows are greedy
-    params = SamplingParams(presence_penalty=0.5, logit_bias={3: 1.0}, allowed_token_ids=[1, 2])
-    full = build_sampling_tensors(_rows(params, 3), 8, WIDTHS)
-    shapes = {f: getattr(full, f).shape for f in WIDE_FIELDS}
-    assert shapes == {
-        "history": (8, WIDTHS.history_len),
-        "bias_ids": (8, MAX_LOGIT_BIAS_TOKENS),
-        "bias_values": (8, MAX_LOGIT_BIAS_TOKENS),
-        "token_bitmask": (8, V // 32),
-    }
-    small = {f: getattr(plain, f).shape for f in SamplingTensors._fields if f not in WIDE_FIELDS}
-    assert small == {f: getattr(full, f).shape for f in small}
-
-
-def test_one_compiled_sampler_serves_every_kind_of_request():
-    traces = []
-
-    @jax.jit
-    def step(logits, tensors):
-        traces.append(1)
-        return sample(logits, tensors)
-
-    rng = np.random.default_rng(5)
-    kinds = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.9, top_k=5, logprobs=2),
-        SamplingParams(temperature=0.0, logit_bias={7: 1.0}, presence_penalty=0.3),
-        SamplingParams(allowed_token_ids=list(range(40)), min_tokens=3),
-        SamplingParams(repetition_penalty=1.2, logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_TOKENS), 0.5)),
-    ]
-    for i, params in enumerate(kinds):
-        rows = _rows(params, 3, outputs=rng.integers(0, V, i * 3).tolist())
-        rows[0].eos_token_id = 2
-        step(rng.normal(size=(8, V)).astype(np.float32), _complete(build_sampling_tensors(rows, 8, WIDTHS)))
-    assert len(traces) == 1
-
-
-def test_the_bitmask_allows_its_rows_tokens_less_the_bans():
-    rows = [
-        SamplingRow(SamplingParams(allowed_token_ids=[0, 31, 32, V - 1]), [1], [], 0),
-        SamplingRow(SamplingParams(), [1], [5], 0, bad_words_token_ids=[[5, 33], [70]]),
-        SamplingRow(SamplingParams(min_tokens=2, stop_token_ids=[9]), [1], [], 0, eos_token_id=2),
-        SamplingRow(SamplingParams(allowed_token_ids=[4, 9], min_tokens=1, stop_token_ids=[9]), [1], [], 0),
-    ]
-    t = build_sampling_tensors(rows, 8, WIDTHS)
-    allowed = np.asarray(allowed_tokens(t.token_bitmask, V))
-    everything = np.ones(V, bool)
-    expected = [np.isin(np.arange(V), [0, 31, 32, V - 1]), everything.copy(), everything.copy()]
-    expected[1][[33, 70]] = False
-    expected[2][[2, 9]] = False
-    expected.append(np.isin(np.arange(V), [4]))
-    np.testing.assert_array_equal(allowed[:4], np.stack(expected))
-    assert allowed[4:].all()  # padding rows are unconstrained
-
-
-def test_build_rejects_more_rows_than_num_rows_and_short_history():
-    with pytest.raises(ValueError, match="num_rows"):
-        build_sampling_tensors(_rows(SamplingParams(), 3), 2, WIDTHS)
-    rows = _rows(SamplingParams(presence_penalty=0.5), 1, prompt=range(20))
-    with pytest.raises(ValueError, match="history_len"):
-        build_sampling_tensors(rows, 1, SamplingWidths(V, history_len=16))
 
 
 def _reference_kept(logits: np.ndarray, top_k: int, top_p: float) -> int:
@@ -394,7 +304,7 @@ def test_the_branch_free_sampler_draws_what_the_branching_one_draws():
         SamplingParams(temperature=0.8, min_p=0.1),
         SamplingParams(top_k=8, top_p=0.8),
     ]
-    rows = [row for params in kinds for row in _rows(params, 64)]
+    rows = [row for params in kinds for row in rows_of(params, 64)]
     logits = np.random.default_rng(7).normal(0.0, 2.0, (len(rows), V)).astype(np.float32)
     branching, _ = _run(rows, logits)
     branch_free, _ = _run(rows, logits, branch_free=True)

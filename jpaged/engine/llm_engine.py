@@ -29,8 +29,7 @@ from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.request_checks import RequestChecks
 from jpaged.engine.scheduled_step import InFlightStep, ScheduledStep, scheduled_step
 from jpaged.engine.startup import for_this_platform, size_kv_cache
-from jpaged.engine.step_sampling import StepSampling, has_static_sampling, is_plain_greedy, sample_seed_for
-from jpaged.engine.tokenizer import tokenize_bad_words
+from jpaged.engine.step_sampling import StepSampling, describe_sampling, sample_seed_for
 from jpaged.models.llama import abstract_params, as_params, params_dtype
 from jpaged.models.loader import LoadedModel
 from jpaged.models.params import check_same_leaves, weights_spec
@@ -55,8 +54,7 @@ class LLMEngine:
     ):
         config, dtype = for_this_platform(config or EngineConfig(**engine_args))
         self.config = config
-        # Tensor parallelism reads each device's part of each weight from the files (lazy_weights.py).
-        lazy = config.tensor_parallel_size > 1
+        lazy = config.tensor_parallel_size > 1  # each device's part of each weight read from the files
         self.model = model or load_model_everywhere(config.model, dtype, lazy=lazy)
         self.model_config = mc = self.model.config
         source = self.model.source
@@ -100,9 +98,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._private_salts = itertools.count()
         self.counters = TokenCounts()
-        self._in_flight: InFlightStep | None = (
-            None  # launched, its tokens not processed yet (async scheduling)
-        )
+        self._in_flight: InFlightStep | None = None  # launched, its tokens not processed yet (async)
         self._held: list[RequestOutput] = []  # outputs processed outside step(), returned by the next one
         self._prefix_hint = PrefixHint(config.block_size) if config.enable_prefix_caching else None
         self.warmup_seconds = 0.0 if config.enforce_eager else self.runner.warmup()
@@ -144,10 +140,7 @@ class LLMEngine:
         request = Request(
             request_id, text, token_ids, params, seed, time.time(), priority, cache_salt, beam=beam
         )
-        if params.bad_words:
-            request.bad_words_token_ids = tokenize_bad_words(params.bad_words, self.tokenizer)
-        request.static_sampling = beam is None and has_static_sampling(params)
-        request.plain_greedy = request.static_sampling and is_plain_greedy(params)
+        describe_sampling(request, self.tokenizer)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
         if beam is not None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from jpaged.core.sequence import Request, SequenceState
 from jpaged.engine.scheduled_step import SampledRows
+from jpaged.engine.tokenizer import tokenize_bad_words
 from jpaged.runner.sampling_inputs import SamplingRow, SamplingTensors
 from jpaged.sampling_params import SamplingParams
 
@@ -41,6 +42,17 @@ def is_plain_greedy(params: SamplingParams) -> bool:
         and not params.logit_bias
         and params.allowed_token_ids is None
     )
+
+
+def describe_sampling(request: Request, tokenizer) -> None:
+    """Work out once what the sampler's inputs need to know about a new request: its bad words as token ids,
+    and whether its inputs are static (or even those of plain greedy rows). A beam search's never are: its
+    beams fork and end every step."""
+    params = request.params
+    if params.bad_words:
+        request.bad_words_token_ids = tokenize_bad_words(params.bad_words, tokenizer)
+    request.static_sampling = request.beam is None and has_static_sampling(params)
+    request.plain_greedy = request.static_sampling and is_plain_greedy(params)
 
 
 def _row_seeds(row_seqs: list[SequenceState]) -> list[int]:
