@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path when run)
 
-from jpaged.models.llama import StepBatch, forward, init_kv_cache  # noqa: E402
+from jpaged.models.llama import StepBatch, as_stored, forward, init_kv_cache  # noqa: E402
 from jpaged.models.loader import load_model  # noqa: E402
 from jpaged.models.params import param_stats  # noqa: E402
 from jpaged.pallas import get_attention_fn, resolve_attention_impl  # noqa: E402
@@ -143,10 +143,6 @@ def kv_dtype_for(dtype, attention_impl: str):
     return jnp.uint16 if attention_impl == "cpu" and dtype == jnp.bfloat16 else dtype
 
 
-def stored(pool: jax.Array, kv_dtype) -> jax.Array:
-    return jax.lax.bitcast_convert_type(pool, kv_dtype) if kv_dtype == jnp.uint16 else pool
-
-
 def streamed_weight_bytes(params: dict) -> int:
     """Bytes of every weight a decode step reads whole: all of them but an untied embedding table, whose rows
     are gathered."""
@@ -179,11 +175,11 @@ def time_shape(
             sm_scale=config.head_dim**-0.5,
         )
     )
-    pools = stored(k_cache, kv_dtype), stored(v_cache, kv_dtype)
+    pools = as_stored(k_cache, kv_dtype), as_stored(v_cache, kv_dtype)
     timings["attention"] = 1e3 * median_seconds(attend_all, (q, *pools, batch), repeats)
     timings["KV read"] = 1e3 * median_seconds(
         jax.jit(kv_read),
-        (*(stored(pool, kv_dtype_for(dtype, "cpu")) for pool in (k_cache, v_cache)), batch.block_tables),
+        (*(as_stored(pool, kv_dtype_for(dtype, "cpu")) for pool in (k_cache, v_cache)), batch.block_tables),
         repeats,
     )
     timings["KV bytes"] = 2 * config.num_layers * batch.block_tables.size * k_cache[0, 0].nbytes

@@ -186,8 +186,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, step.cos, step.sin), _rotate(k, step.cos, step.sin)
-        k_cache = k_cache.at[layer, step.write_block, step.write_offset].set(_as_stored(k, k_cache.dtype))
-        v_cache = v_cache.at[layer, step.write_block, step.write_offset].set(_as_stored(v, v_cache.dtype))
+        k_cache = k_cache.at[layer, step.write_block, step.write_offset].set(as_stored(k, k_cache.dtype))
+        v_cache = v_cache.at[layer, step.write_block, step.write_offset].set(as_stored(v, v_cache.dtype))
         attn = step.attention(
             q,
             k_cache,
@@ -356,7 +356,7 @@ def forward(
     return model(kv_cache, batch, attention=attention, products=products)
 
 
-def _as_stored(x: jax.Array, dtype) -> jax.Array:
+def as_stored(x: jax.Array, dtype) -> jax.Array:
     """x as the pool stores it: its dtype, or its raw words where the pool keeps a 16-bit float as uint16 (see
     KVCache)."""
     if jnp.dtype(dtype) == jnp.uint16:
