@@ -105,20 +105,7 @@ def _wait(process: subprocess.Popen, log: Path, what: str, done) -> None:
 def lifecycle(tiny_model_dir, tmp_path_factory) -> Lifecycle:
     root = tmp_path_factory.mktemp("readiness")
     model = GatedModel(tiny_model_dir("smollm2_tied"), root)
-    port = _free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "jpaged.entrypoints.cli", "--log-level", "INFO", "serve"]
-    command += [
-        str(model.path),
-        "--port",
-        str(port),
-        "--compilation-cache-dir",
-        str(root / "xla"),
-        *ENGINE_FLAGS,
-    ]
-    log = root / "serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    process, base_url, log = _serve(model, root)
     try:
         _wait(process, log, "starting to listen", lambda: _get(f"{base_url}/health") is not None)
         loading = {path: _get(f"{base_url}{path}") for path in ("/health", "/ready", "/v1/models")}
@@ -166,6 +153,25 @@ def lifecycle(tiny_model_dir, tmp_path_factory) -> Lifecycle:
         model.close()
 
 
+def _serve(model: GatedModel, root: Path) -> tuple[subprocess.Popen, str, Path]:
+    """`jpaged serve` on the gated model: the process, its base URL and its log."""
+    port = _free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "jpaged.entrypoints.cli",
+        "--log-level",
+        "INFO",
+        "serve",
+        str(model.path),
+    ]
+    command += ["--port", str(port), "--compilation-cache-dir", str(root / "xla"), *ENGINE_FLAGS]
+    log = root / "serve.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return process, f"http://127.0.0.1:{port}", log
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -194,3 +200,22 @@ def test_the_in_flight_stream_finishes_within_the_grace_period_and_the_process_e
     assert lifecycle.chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "grace period over" not in lifecycle.log
     assert lifecycle.exit_code == 0
+
+
+def test_sigterm_while_the_model_loads_exits_zero_without_waiting_for_the_load(tiny_model_dir, tmp_path):
+    """A pod deleted during a long load must not hold its node for the load: the loader never gets its config."""
+    model = GatedModel(tiny_model_dir("smollm2_tied"), tmp_path)
+    process, base_url, log = _serve(model, tmp_path)
+    try:
+        _wait(process, log, "starting to listen", lambda: _get(f"{base_url}/health") is not None)
+        assert _get(f"{base_url}/ready") == 503
+        process.send_signal(signal.SIGTERM)
+        exit_code = process.wait(timeout=START_SECONDS)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        model.close()
+    text = log.read_text()
+    assert exit_code == 0, text[-3000:]
+    assert "Traceback" not in text and "ready: weights loaded" not in text
