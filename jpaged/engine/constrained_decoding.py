@@ -7,6 +7,7 @@ sequence's matcher; a sequence whose grammar is complete stops."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ class ConstrainedDecoding:
         self.vocab_size = vocab_size
         self._eos_token_ids = tuple(eos_token_ids)
         self._waiting: dict[str, tuple[SequenceState, GrammarFuture]] = {}  # request id -> its first sequence
+        self.fill_seconds = 0.0  # spent filling bitmasks, on the engine loop before each constrained step
 
     def _compiler(self) -> GrammarCompiler:
         from jpaged.structured import shared_compiler
@@ -82,8 +84,10 @@ class ConstrainedDecoding:
                 first_row.setdefault(id(seq), i)
         if not first_row:
             return [None] * len(row_seqs)
+        start = time.perf_counter()
         masks = allocate_bitmask(len(row_seqs), self.vocab_size)
         fill_bitmasks([(row_seqs[i].grammar, i) for i in first_row.values()], masks)
+        self.fill_seconds += time.perf_counter() - start
         return [masks[first_row[id(seq)]] if seq.grammar is not None else None for seq in row_seqs]
 
 
