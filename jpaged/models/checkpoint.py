@@ -61,22 +61,28 @@ class CheckpointedWeight(LazyWeight):
     def __getitem__(self, index) -> np.ndarray:
         import orbax.checkpoint as ocp
 
+        whole = self.restore(
+            np.empty(self.shape, self.dtype), ocp.RestoreArgs(restore_type=np.ndarray, dtype=self.dtype)
+        )
+        return np.asarray(whole)[index]
+
+    def restore(self, target, args):
+        """This leaf alone, restored as `target` (an array or its abstract form) with orbax's RestoreArgs."""
+        import orbax.checkpoint as ocp
+
         def nested(leaf):
             for name in reversed(self.key):
                 leaf = {name: leaf}
             return leaf
 
-        target = nested(np.empty(self.shape, self.dtype))
-        args = ocp.args.PyTreeRestore(
-            item=target,
-            restore_args=nested(ocp.RestoreArgs(restore_type=np.ndarray, dtype=self.dtype)),
-            partial_restore=True,
+        restore_args = ocp.args.PyTreeRestore(
+            item=nested(target), restore_args=nested(args), partial_restore=True
         )
         with ocp.PyTreeCheckpointer() as checkpointer:
-            restored = checkpointer.restore(self.params_dir, args=args)
+            restored = checkpointer.restore(self.params_dir, args=restore_args)
         for name in self.key:
             restored = restored[name]
-        return np.asarray(restored)[index]
+        return restored
 
 
 def lazy_checkpoint(directory: Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
@@ -97,12 +103,13 @@ def lazy_checkpoint(directory: Path, dtype=np.float32) -> tuple[ModelConfig, dic
 
 def restore_sharded(params: dict, shardings: dict) -> dict:
     """CheckpointedWeight params restored as jax.Arrays of these shardings: each process reads only its own
-    devices' parts of each leaf (a collective under jax.distributed: every process calls it)."""
+    devices' parts of each leaf (a collective under jax.distributed: every process calls it). One leaf at a time,
+    so orbax's host buffers never hold more than one leaf's parts."""
     import orbax.checkpoint as ocp
 
-    (params_dir,) = {w.params_dir for w in jax.tree_util.tree_leaves(params)}
-    abstract = jax.tree_util.tree_map(
-        lambda w, sharding: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding), params, shardings
-    )
-    with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(params_dir, abstract)
+    def restore(weight: CheckpointedWeight, sharding) -> jax.Array:
+        abstract = jax.ShapeDtypeStruct(weight.shape, weight.dtype, sharding=sharding)
+        args = ocp.ArrayRestoreArgs(sharding=sharding, dtype=weight.dtype, global_shape=weight.shape)
+        return weight.restore(abstract, args)
+
+    return jax.tree_util.tree_map(restore, params, shardings)

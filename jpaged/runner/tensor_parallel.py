@@ -99,17 +99,20 @@ def place_sharded(params: dict, shardings: dict, columns: dict) -> dict:
 def place_restored(params: dict, shardings: dict, columns: dict) -> dict:
     """Checkpointed params (models.checkpoint.CheckpointedWeight) on the mesh, each process reading only its own
     devices' parts from the checkpoint. A leaf that `columns` names (see place_sharded) is restored split along
-    another axis, then gathered on the devices into its step columns and resharded (an all-to-all): no device
-    holds a whole matrix either."""
+    another axis, then regrouped on the devices: each picks the step's columns from its block and an all-to-all
+    hands every device its own columns (no device holds a whole matrix, and XLA's all-gathers are avoided)."""
     from jpaged.models.checkpoint import restore_sharded
 
     mesh = next(iter(jax.tree_util.tree_leaves(shardings))).mesh
     size = mesh.shape[AXIS]
 
+    def split_axis(leaf) -> int | None:
+        return next((i for i, dim in enumerate(leaf.shape[:-1]) if dim % size == 0), None)
+
     def source_sharding(path, leaf, sharding: NamedSharding) -> NamedSharding:
         if jax.tree_util.keystr(path) not in columns:
             return sharding
-        axis = next((i for i, dim in enumerate(leaf.shape[:-1]) if dim % size == 0), None)
+        axis = split_axis(leaf)
         return NamedSharding(mesh, P(*(AXIS if i == axis else None for i in range(leaf.ndim))))
 
     restored = restore_sharded(params, jax.tree_util.tree_map_with_path(source_sharding, params, shardings))
@@ -118,10 +121,26 @@ def place_restored(params: dict, shardings: dict, columns: dict) -> dict:
     paths, leaves = [jax.tree_util.keystr(path) for path, _ in flat], [leaf for _, leaf in flat]
     del flat
     for i, (path, sharding) in enumerate(zip(paths, jax.tree_util.tree_leaves(shardings), strict=True)):
-        if (source := columns.get(path)) is not None:  # the restored matrix is freed once gathered
-            gather = jax.jit(lambda w, source=source: jnp.take(w, source, axis=-1), out_shardings=sharding)
-            leaves[i] = gather(leaves[i])
+        if (source := columns.get(path)) is not None:  # the restored block is freed once regrouped
+            leaves[i] = _regroup_columns(leaves[i], source, sharding, split_axis(leaves[i]))
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _regroup_columns(
+    leaf: jax.Array, source: np.ndarray, sharding: NamedSharding, axis: int | None
+) -> jax.Array:
+    """leaf[..., source] with `sharding` (its last axis split), from `leaf` split along `axis` (None: replicated)."""
+    if axis is None:  # each device picks its own columns from its whole copy
+        return jax.jit(lambda w: jnp.take(w, source, axis=-1), out_shardings=sharding)(leaf)
+
+    def regroup(block: jax.Array) -> jax.Array:
+        picked = jnp.take(block, source, axis=-1)
+        return jax.lax.all_to_all(picked, AXIS, split_axis=picked.ndim - 1, concat_axis=axis, tiled=True)
+
+    mesh = sharding.mesh
+    return jax.jit(jax.shard_map(regroup, mesh=mesh, in_specs=leaf.sharding.spec, out_specs=sharding.spec))(
+        leaf
+    )
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:
