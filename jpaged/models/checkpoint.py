@@ -50,8 +50,9 @@ def restore_checkpoint(directory: Path, dtype=np.float32) -> tuple[ModelConfig, 
 
 @dataclass(frozen=True, eq=False)
 class CheckpointedWeight(LazyWeight):
-    """A leaf of an orbax checkpoint, not read yet. Tensor parallelism restores every leaf at once, each device
-    reading only its own part (`restore_sharded`); indexing reads this leaf alone, whole."""
+    """A leaf of an orbax checkpoint, not read yet. Tensor parallelism restores the leaves straight into their
+    shards, each process reading only its own devices' parts (`restore_sharded`); indexing reads this leaf
+    alone, whole."""
 
     params_dir: Path  # the checkpoint's params
     key: tuple[str, ...]
@@ -61,28 +62,21 @@ class CheckpointedWeight(LazyWeight):
     def __getitem__(self, index) -> np.ndarray:
         import orbax.checkpoint as ocp
 
-        whole = self.restore(
-            np.empty(self.shape, self.dtype), ocp.RestoreArgs(restore_type=np.ndarray, dtype=self.dtype)
-        )
-        return np.asarray(whole)[index]
-
-    def restore(self, target, args):
-        """This leaf alone, restored as `target` (an array or its abstract form) with orbax's RestoreArgs."""
-        import orbax.checkpoint as ocp
-
         def nested(leaf):
             for name in reversed(self.key):
                 leaf = {name: leaf}
             return leaf
 
-        restore_args = ocp.args.PyTreeRestore(
-            item=nested(target), restore_args=nested(args), partial_restore=True
+        args = ocp.args.PyTreeRestore(
+            item=nested(np.empty(self.shape, self.dtype)),
+            restore_args=nested(ocp.RestoreArgs(restore_type=np.ndarray, dtype=self.dtype)),
+            partial_restore=True,
         )
         with ocp.PyTreeCheckpointer() as checkpointer:
-            restored = checkpointer.restore(self.params_dir, args=restore_args)
+            restored = checkpointer.restore(self.params_dir, args=args)
         for name in self.key:
             restored = restored[name]
-        return restored
+        return np.asarray(restored)[index]
 
 
 def lazy_checkpoint(directory: Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
@@ -102,14 +96,13 @@ def lazy_checkpoint(directory: Path, dtype=np.float32) -> tuple[ModelConfig, dic
 
 
 def restore_sharded(params: dict, shardings: dict) -> dict:
-    """CheckpointedWeight params restored as jax.Arrays of these shardings: each process reads only its own
-    devices' parts of each leaf (a collective under jax.distributed: every process calls it). One leaf at a time,
-    so orbax's host buffers never hold more than one leaf's parts."""
+    """CheckpointedWeight params restored as jax.Arrays of these shardings, in one orbax restore: each process
+    reads only its own devices' parts of each leaf (a collective under jax.distributed: every process calls it)."""
     import orbax.checkpoint as ocp
 
-    def restore(weight: CheckpointedWeight, sharding) -> jax.Array:
-        abstract = jax.ShapeDtypeStruct(weight.shape, weight.dtype, sharding=sharding)
-        args = ocp.ArrayRestoreArgs(sharding=sharding, dtype=weight.dtype, global_shape=weight.shape)
-        return weight.restore(abstract, args)
-
-    return jax.tree_util.tree_map(restore, params, shardings)
+    (params_dir,) = {w.params_dir for w in jax.tree_util.tree_leaves(params)}
+    abstract = jax.tree_util.tree_map(
+        lambda w, sharding: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding), params, shardings
+    )
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(params_dir, abstract)
