@@ -59,23 +59,23 @@ def sweep_points(args: argparse.Namespace) -> tuple[str | None, list[Point]]:
     """The dial a sweep turns ("max concurrency" or "request rate", None for one run) and its points."""
     if args.request_rate <= 0 or args.burstiness <= 0:
         raise ValueError("request_rate and burstiness must be > 0")
-    for name, dial, parse in (
-        ("sweep_concurrency", "max concurrency", int),
-        ("sweep_request_rate", "request rate", float),
-    ):
-        given = getattr(args, name, None)
-        if given is None:
-            continue
-        try:
-            values = [parse(v) for v in given.split(",")]
-        except ValueError:
-            raise ValueError(f"{name} must be comma-separated numbers, got {given!r}") from None
-        if not all(v > 0 for v in values):
-            raise ValueError(f"{name} values must be > 0, got {given}")
-        if parse is int:
-            return dial, [Point(v, args.request_rate) for v in values]
-        return dial, [Point(args.max_concurrency, v) for v in values]
+    if args.sweep_concurrency is not None:
+        values = _sweep_values("sweep_concurrency", args.sweep_concurrency, int)
+        return "max concurrency", [Point(v, args.request_rate) for v in values]
+    if args.sweep_request_rate is not None:
+        values = _sweep_values("sweep_request_rate", args.sweep_request_rate, float)
+        return "request rate", [Point(args.max_concurrency, v) for v in values]
     return None, [Point(args.max_concurrency, args.request_rate)]
+
+
+def _sweep_values(name: str, given: str, parse: type) -> list:
+    try:
+        values = [parse(v) for v in given.split(",")]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated numbers, got {given!r}") from None
+    if not all(v > 0 for v in values):
+        raise ValueError(f"{name} values must be > 0, got {given}")
+    return values
 
 
 def dial_value(dial: str, point: Point) -> str:

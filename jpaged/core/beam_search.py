@@ -83,8 +83,9 @@ class BeamSearch:
     def step(self, proposals: Sequence[Sequence[tuple[int, float]]]) -> list[int]:
         """Advance by one token. `proposals[i]` holds (token id, logprob) pairs for live beam i, at least K of
         them (or the whole vocabulary); a -inf logprob is a token its grammar does not allow, never taken (so a
-        grammar that allows few tokens can leave fewer than beam_width live beams). Returns, for each new live beam in `self.beams`, the index of the old
-        beam it extends; an old beam no index names is dropped. Empty once the search is done."""
+        grammar that allows few tokens can leave fewer than beam_width live beams). Returns, for each new live
+        beam in `self.beams`, the index of the old beam it extends; an old beam no index names is dropped. Empty
+        once the search is done."""
         if self.done:
             raise ValueError("the beam search is done: it takes no more steps")
         if len(proposals) != len(self.beams):
