@@ -110,7 +110,7 @@ void Panel(const float* x, int rows, int K, const float* panel, Out* out, int N,
 }
 
 #if defined(__AVX512BF16__)
-constexpr int kDotRowBlock = 8;  // 8 accumulators of 16 columns; AVX-512 has 32 registers
+constexpr int kDotRowBlock = 8;  // x two panels: 16 accumulators of 16 columns; AVX-512 has 32 registers
 
 // Rows k and k + 1 of a panel (32 consecutive words) as 16 (row k, row k + 1) pairs, one per column.
 inline __m512i PairIndex() {
@@ -122,45 +122,66 @@ inline __m512i PairIndex() {
   return _mm512_load_si512(index);
 }
 
-template <int MR, bool kFirst, typename Out>
+// NP adjacent panels (NP x 16 columns) at once: NP x MR accumulators, each broadcast of x feeding NP products,
+// enough independent chains to cover vdpbf16ps's latency. A first block asks for the panels' rows kAhead early: a
+// bfloat16 row is half a float32 one, and the shorter distance left decode-sized products waiting on memory
+// (scripts/KERNELS.md).
+template <int MR, int NP, bool kFirst, typename Out>
 inline void DotBlock(const uint16_t* x, int K, const uint16_t* panel, Out* out, int64_t ldo, int width) {
-  constexpr int kAhead = 16;
+  constexpr int kAhead = 64;
   const __m512i pairs = PairIndex();
-  __m512 acc[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  // Two k of every row: the panel's pairs against x[m][k], x[m][k + 1] (one 32-bit word) broadcast.
-  auto step = [&](const __m512i rows, auto x_pair) {
-    const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(pairs, rows);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(x_pair(m)));
+  const int64_t panel_words = static_cast<int64_t>(K) * kPanel;
+  __m512 acc[NP][MR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_setzero_ps();
+  // Two k of every row: the panels' pairs against x[m][k], x[m][k + 1] (one 32-bit word) broadcast.
+  auto step = [&](const __m512i* rows, auto x_pair) {
+    __m512bh w[NP];
+    for (int p = 0; p < NP; ++p) w[p] = (__m512bh)_mm512_permutexvar_epi16(pairs, rows[p]);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(x_pair(m));
+      for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_dpbf16_ps(acc[p][m], w[p], b);
+    }
   };
   int k = 0;
   for (; k + 1 < K; k += 2) {
-    if (kFirst) __builtin_prefetch(panel + (k + kAhead) * kPanel);
-    step(_mm512_loadu_si512(panel + k * kPanel), [&](int m) {
+    __m512i rows[NP];
+    for (int p = 0; p < NP; ++p) {
+      if (kFirst) __builtin_prefetch(panel + p * panel_words + (k + kAhead) * kPanel);
+      rows[p] = _mm512_loadu_si512(panel + p * panel_words + k * kPanel);
+    }
+    step(rows, [&](int m) {
       uint32_t word;
       std::memcpy(&word, x + m * K + k, sizeof word);
       return static_cast<int>(word);
     });
   }
-  if (k < K)  // an odd K's last row, paired with zeros
-    step(_mm512_maskz_loadu_epi16(0xFFFFu, panel + k * kPanel), [&](int m) { return int{x[m * K + k]}; });
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) {
-    float row[kPanel];
-    _mm512_storeu_ps(row, acc[m]);
-    StoreRow(Load(row), Load(row + 8), out + m * ldo, width);
+  if (k < K) {  // an odd K's last row, paired with zeros
+    __m512i rows[NP];
+    for (int p = 0; p < NP; ++p) rows[p] = _mm512_maskz_loadu_epi16(0xFFFFu, panel + p * panel_words + k * kPanel);
+    step(rows, [&](int m) { return int{x[m * K + k]}; });
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int columns = p + 1 < NP ? kPanel : width;
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      float row[kPanel];
+      _mm512_storeu_ps(row, acc[p][m]);
+      StoreRow(Load(row), Load(row + 8), out + p * kPanel + m * ldo, columns);
+    }
   }
 }
 
-// x stays bfloat16 here (KernelRows); every row block reads the panel as it is.
-template <typename Out>
-void Panel(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
+// x stays bfloat16 here (KernelRows); every row block reads the panels as they are. NP panels side by side, the
+// last one `width` columns wide.
+template <int NP, typename Out>
+void Panels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
   ForRowBlocks<kDotRowBlock>(rows, 0, [&](auto mr, int m) {
     constexpr int MR = decltype(mr)::value;
-    if (m == 0) return DotBlock<MR, true>(x, K, panel, out, N, width);
-    DotBlock<MR, false>(x + m * K, K, panel, out + m * N, N, width);
+    if (m == 0) return DotBlock<MR, NP, true>(x, K, panel, out, N, width);
+    DotBlock<MR, NP, false>(x + m * K, K, panel, out + m * N, N, width);
   });
 }
 
@@ -179,6 +200,22 @@ void Panel(const float* x, int rows, int K, const uint16_t* panel, Out* out, int
 }
 
 constexpr const char* kBfloat16Arithmetic = "";  // none: widened to float32
+#endif
+
+// A work item's `count` adjacent panels, the last `width` columns wide.
+template <typename X, typename T, typename Out>
+void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width) {
+  for (int p = 0; p < count; ++p)
+    Panel(x, rows, K, panel + static_cast<int64_t>(p) * K * kPanel, out + p * kPanel, N,
+          p + 1 < count ? kPanel : width);
+}
+#if defined(__AVX512BF16__)
+template <typename Out>
+void ItemPanels(const uint16_t* x, int rows, int K, const uint16_t* panel, int count, Out* out, int N, int width) {
+  static_assert(kPanelsPerItem == 2);
+  if (count == 2) return Panels<2>(x, rows, K, panel, out, N, width);
+  Panels<1>(x, rows, K, panel, out, N, width);
+}
 #endif
 
 // x as the row blocks read it: float32, or for bfloat16 its words where the dot instructions take them.
@@ -202,9 +239,9 @@ void Run(ffi::ThreadPool& pool, const T* x_in, const T* panels, Out* out, int M,
   const int num_items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
   ParallelFor(pool, num_items, [&](int item) {
     const int last = std::min(num_panels, (item + 1) * kPanelsPerItem);
-    for (int p = item * kPanelsPerItem; p < last; ++p)
-      Panel(x, rows, K, panels + static_cast<int64_t>(p) * K * kPanel, out + p * kPanel, N,
-            std::min(kPanel, N - p * kPanel));
+    const int first = item * kPanelsPerItem;
+    ItemPanels(x, rows, K, panels + static_cast<int64_t>(first) * K * kPanel, last - first, out + first * kPanel, N,
+               std::min(kPanel, N - (last - 1) * kPanel));
     return true;
   });
 }
