@@ -48,6 +48,12 @@ _FAST_MATH = (
     "-fcx-limited-range",
 )
 _FLAGS = ("-O3", "-march=native", *_FAST_MATH, "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17")
+# glibc's vector math library (libmvec) on x86-64: attention's exps eight at a time (paged_attention.cc).
+_VECTOR_MATH = (
+    ("-DJPAGED_LIBMVEC", "-lmvec")
+    if platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc"
+    else ()
+)
 
 
 def _cpu_signature() -> str:
@@ -67,7 +73,7 @@ def _build(compiler: str) -> Path:
     for part in (
         *(path.read_bytes() for path in SOURCES + HEADERS),
         compiler.encode(),
-        " ".join(_FLAGS).encode(),
+        " ".join(_FLAGS + _VECTOR_MATH).encode(),
         jaxlib.__version__.encode(),
         _cpu_signature().encode(),
     ):
@@ -94,6 +100,7 @@ def compile_sources(sources, output: Path, compiler: str = "g++") -> None:
         *map(str, sources),
         "-o",
         str(output),
+        *_VECTOR_MATH,  # after the sources: the linker keeps only libraries that something before them needs
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:

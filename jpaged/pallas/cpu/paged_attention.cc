@@ -9,6 +9,10 @@
 #include <cmath>
 #include <vector>
 
+#if defined(JPAGED_LIBMVEC)
+#include <immintrin.h>
+#endif
+
 #include "kernel.h"
 
 namespace {
@@ -33,6 +37,34 @@ struct Problem {
 struct Item {
   int seq, row0, rows;
 };
+
+#if defined(JPAGED_LIBMVEC) && defined(__AVX2__)
+extern "C" __m256 _ZGVdN8v_expf(__m256);  // glibc's libmvec: expf on eight lanes
+inline V8 Exp(V8 x) { return reinterpret_cast<V8>(_ZGVdN8v_expf(reinterpret_cast<__m256>(x))); }
+#else
+inline V8 Exp(V8 x) {
+  for (int i = 0; i < 8; ++i) x[i] = std::exp(x[i]);
+  return x;
+}
+#endif
+
+// s[0:count] = exp(s[0:count] - shift), returning their sum. Vectors of eight: a decode step takes one exp per cached
+// token and query head, which one by one was a large part of its attention (scripts/KERNELS.md).
+inline float ExpShifted(float* s, int count, float shift) {
+  V8 sum = {};
+  int j = 0;
+  for (; j + 8 <= count; j += 8) {
+    const V8 e = Exp(Load(s + j) - shift);
+    Store(s + j, e);
+    sum += e;
+  }
+  float total = Sum(sum);
+  for (; j < count; ++j) {
+    s[j] = std::exp(s[j] - shift);
+    total += s[j];
+  }
+  return total;
+}
 
 // A page row of one head as floats: in place for float32, converted into `buffer` for bfloat16.
 inline const float* Row(const float* src, float*, int) { return src; }
@@ -229,12 +261,7 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
         float& l = denom[static_cast<size_t>(h) * n + i];
         const float m_new = std::max(m, block_max);
         const float correction = std::exp(m - m_new);
-        float sum = 0.0f;
-        for (int j = 0; j < num_keys; ++j) {
-          s[j] = std::exp(s[j] - m_new);
-          sum += s[j];
-        }
-        l = l * correction + sum;
+        l = l * correction + ExpShifted(s, num_keys, m_new);
         m = m_new;
         float* a = acc_h + static_cast<size_t>(i) * D;
         if (correction != 1.0f)
