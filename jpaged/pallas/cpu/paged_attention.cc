@@ -9,7 +9,7 @@
 #include <cmath>
 #include <vector>
 
-#if defined(JPAGED_LIBMVEC)
+#if defined(JPAGED_LIBMVEC) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -112,6 +112,30 @@ inline void Dots(const float* q, const float* const* keys, int count, int D, flo
     scores[j] = Sum(a);
   }
 }
+
+// Whether DotsOnWords takes this cache's dots: bfloat16 words on a CPU with AVX-512-BF16, head dims of 32 words.
+template <typename T>
+inline bool OnWords(const T*, int) {
+  return false;
+}
+#if defined(__AVX512BF16__)
+inline bool OnWords(const uint16_t*, int D) { return D % 32 == 0; }
+
+// scores[j] = scale * q . keys[j * stride] on the bfloat16 words by vdpbf16ps, 32 at a time, float32 sums: no
+// widening of the keys into a float buffer first. (Products of two bfloat16 are exact in float32, as widened.)
+inline void DotsOnWords(const uint16_t* q, const uint16_t* keys, int64_t stride, int count, int D, float scale,
+                        float* scores) {
+  for (int j = 0; j < count; ++j) {
+    const uint16_t* key = keys + j * stride;
+    __m512 sum = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32)
+      sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(key + d), (__m512bh)_mm512_loadu_si512(q + d));
+    scores[j] = _mm512_reduce_add_ps(sum) * scale;
+  }
+}
+#endif
+template <typename T>
+inline void DotsOnWords(const T*, const T*, int64_t, int, int, float, float*) {}
 
 // scores[r * stride + j] = q_r . keys[j] for eight queries given transposed (`queries_t` [D][8]): each key row
 // element is broadcast against eight queries at once, so no horizontal sums; eight keys keep eight chains going.
@@ -231,15 +255,23 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
     const char* next_v = reinterpret_cast<const char*>(v_layer + next_offset);
     for (int h = 0; h < Hk; ++h) {
       if (prefetch) Prefetch(next_k, next_v, block_bytes * h / Hk, block_bytes * (h + 1) / Hk);
+      const bool on_words = OnWords(k_block, D);  // the one-by-one queries' dots straight on bfloat16 words
       for (int j = 0; j < num_keys; ++j) {
-        keys[j] = Row(k_block + j * row_stride + h * D, key_buffer + j * D, D);
+        if (n8 > 0 || !on_words) keys[j] = Row(k_block + j * row_stride + h * D, key_buffer + j * D, D);
         values[j] = Row(v_block + j * row_stride + h * D, value_buffer + j * D, D);
       }
       const float* qh = queries + static_cast<size_t>(h) * n * D;
       float* acc_h = acc + static_cast<size_t>(h) * n * D;
       for (int i = 0; i < n8; i += 8)
         Dots8(queries_t + (static_cast<size_t>(h) * n + i) * D, keys.data(), num_keys, D, scores + i * B, B);
-      for (int i = n8; i < n; ++i) Dots(qh + static_cast<size_t>(i) * D, keys.data(), num_keys, D, scores + i * B);
+      for (int i = n8; i < n; ++i) {
+        if (on_words) {
+          const T* query = q + static_cast<int64_t>(q_start + item.row0 + i / G) * Hk * G * D + (h * G + i % G) * D;
+          DotsOnWords(query, k_block + h * D, row_stride, num_keys, D, p.scale, scores + i * B);
+        } else {
+          Dots(qh + static_cast<size_t>(i) * D, keys.data(), num_keys, D, scores + i * B);
+        }
+      }
       for (int i = 0; i < n; ++i) {
         const int pos = first_pos + i / G;
         float* s = scores + static_cast<size_t>(i) * B;
