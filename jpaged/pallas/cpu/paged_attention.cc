@@ -134,6 +134,7 @@ inline void DotsOnWords(const uint16_t* q, const uint16_t* keys, int64_t stride,
   }
 }
 #endif
+// The other caches' stand-in, for AttendItem to compile: OnWords is false for them, so it is never called.
 template <typename T>
 inline void DotsOnWords(const T*, const T*, int64_t, int, int, float, float*) {}
 
