@@ -62,7 +62,8 @@ def stub_device(engine, rng: np.random.Generator) -> None:
         def result(self) -> StepOutput:
             return self.output
 
-    engine.runner.dispatch = lambda prepared, sampling: Ready(prepared.num_rows)
+    engine.runner.forward = lambda prepared: None
+    engine.runner.sample = lambda sampling: Ready(sampling.temperature.shape[0])
 
 
 def main() -> None:

@@ -86,20 +86,25 @@ def decode_step_times(engine, steps: int, size: int) -> list[float]:
 def device_step_times(engine, steps: int) -> list[float]:
     """The next step's compiled program, run `steps` times more on its inputs (a serial step's: real tokens,
     so each run writes the KV slots it wrote the first time, with the same values)."""
-    captured = []
-    dispatch = engine.runner.dispatch
+    runner = engine.runner
+    captured = {}
+    forward, sample = runner.forward, runner.sample
 
-    def capture(*step_args):
-        captured.append(step_args)
-        return dispatch(*step_args)
+    def capture_forward(prepared):
+        captured["step"] = prepared
+        return forward(prepared)
 
-    engine.runner.dispatch = capture
+    def capture_sample(sampling):
+        captured["sampling"] = sampling
+        return sample(sampling)
+
+    runner.forward, runner.sample = capture_forward, capture_sample
     engine.step()
-    engine.runner.dispatch = dispatch
+    del runner.forward, runner.sample
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        dispatch(*captured[-1]).result()
+        runner.dispatch(captured["step"], captured["sampling"]).result()
         times.append(time.perf_counter() - start)
     return times
 
@@ -146,7 +151,6 @@ def main() -> None:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         start_decoding(engine, size, params, rng)
         times = {"sync": [], "async": [], "device": [], "host": []}
-        dispatch = engine.runner.dispatch
         for _ in range(args.rounds):
             for mode in ("sync", "async"):
                 engine.config.async_scheduling = mode == "async"
@@ -156,7 +160,7 @@ def main() -> None:
             times["device"] += device_step_times(engine, args.steps)  # nothing in flight before or after
             stub_device(engine, rng)
             times["host"] += decode_step_times(engine, args.steps, size)
-            engine.runner.dispatch = dispatch
+            del engine.runner.forward, engine.runner.sample
         host_ms, device_ms, sync_ms, async_ms = (
             statistics.median(times[k]) * 1e3 for k in ("host", "device", "sync", "async")
         )

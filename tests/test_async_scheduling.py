@@ -20,14 +20,19 @@ def engine(model, overlap: bool, **overrides) -> LLMEngine:
 
 def record_dispatches(engine: LLMEngine) -> list:
     """Every step the runner starts, as (padded batch, sampling tensors)."""
-    seen = []
-    dispatch = engine.runner.dispatch
+    seen, batches = [], []
+    runner = engine.runner
+    forward, sample = runner.forward, runner.sample
 
-    def recording(prepared, sampling):
-        seen.append((prepared.batch, sampling))
-        return dispatch(prepared, sampling)
+    def recording_forward(prepared):
+        batches.append(prepared.batch)
+        return forward(prepared)
 
-    engine.runner.dispatch = recording
+    def recording_sample(sampling):
+        seen.append((batches[-1], sampling))
+        return sample(sampling)
+
+    runner.forward, runner.sample = recording_forward, recording_sample
     return seen
 
 

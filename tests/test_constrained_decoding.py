@@ -1,7 +1,8 @@
 """Structured outputs in the engine: a constrained request's output follows its grammar (a JSON schema, a regex,
 a choice), greedy or sampled, n > 1 included, and stops when the grammar is complete; an unconstrained request in
-the same batch gets what it gets alone; a grammar that does not compile is a ValueError naming it; and a warmed
-engine compiles nothing for any of it (the token bitmask is a fixed-shape input)."""
+the same batch gets what it gets alone; the masks are filled while the step's forward runs; a grammar that does not
+compile is a ValueError naming it; and a warmed engine compiles nothing for any of it (the token bitmask is a
+fixed-shape input)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,32 @@ def test_every_parallel_sample_follows_the_grammar(llm):
         else:  # cut by max_tokens mid-structure: says so
             assert sample.finish_reason == "length"
     assert any(s.finish_reason == "stop" for s in output.outputs)
+
+
+def test_the_grammar_masks_are_filled_while_the_steps_forward_runs(llm):
+    """Each step's forward is on the device before the host fills its rows' masks; the sampling, which reads
+    them, is dispatched after."""
+    engine = llm.engine
+    runner, sampling = engine.runner, engine.sampling
+    events = []
+
+    def recorded(name, call):
+        def record(*args):
+            events.append(name)
+            return call(*args)
+
+        return record
+
+    runner.forward = recorded("forward", runner.forward)
+    runner.sample = recorded("sample", runner.sample)
+    sampling.inputs = recorded("fill", sampling.inputs)
+    try:
+        (output,) = llm.generate(["x"], constrained(10, regex=r"[0-9]{6}"), use_tqdm=False)
+    finally:
+        del runner.forward, runner.sample, sampling.inputs
+    assert re.fullmatch(r"[0-9]{6}", output.outputs[0].text)
+    assert len(events) >= 3 * 4  # a step a digit or more; each forward, fill, sample
+    assert events == ["forward", "fill", "sample"] * (len(events) // 3)
 
 
 def test_a_grammar_that_does_not_compile_is_a_value_error_naming_it(llm):

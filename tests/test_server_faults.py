@@ -30,7 +30,7 @@ def assert_error_shape(error: dict, status: int) -> None:
 
 
 class FailOneDispatch:
-    """The runner's next dispatch, once armed, raises instead of starting the step (a device fault)."""
+    """The runner's next step, once armed, raises instead of starting its forward (a device fault)."""
 
     def __init__(self, engine: AsyncLLMEngine) -> None:
         self.runner = engine.engine.runner
@@ -38,19 +38,19 @@ class FailOneDispatch:
         self.fired = threading.Event()
 
     def __enter__(self) -> FailOneDispatch:
-        dispatch = self.runner.dispatch
+        forward = self.runner.forward
 
         def faulty(*args, **kwargs):
             if self.armed.is_set() and not self.fired.is_set():
                 self.fired.set()
                 raise RuntimeError("injected device fault")
-            return dispatch(*args, **kwargs)
+            return forward(*args, **kwargs)
 
-        self.runner.dispatch = faulty
+        self.runner.forward = faulty
         return self
 
     def __exit__(self, *exc_info) -> None:
-        del self.runner.dispatch
+        del self.runner.forward
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

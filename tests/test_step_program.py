@@ -43,23 +43,31 @@ def cache_spec(config, num_blocks: int = 64):
     return jax.eval_shape(lambda: init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.bfloat16))
 
 
+def whole_step(config, step, tokens: int, seqs: int, **sampling_options):
+    """A step's two halves as one function, and its abstract args, in the bucket (tokens, seqs)."""
+    widths = SamplingWidths(config.vocab_size, history_len=64)
+    batch_packed, batch_layout = pack(dummy_batch(tokens, seqs, 8))
+    sampling, _ = split_wide(build_sampling_tensors([], seqs, widths, **sampling_options))
+    sampling_packed, sampling_layout = pack(sampling)
+    bound = functools.partial(step.whole, batch_layout=batch_layout, sampling_layout=sampling_layout)
+    last_tokens = jax.ShapeDtypeStruct((seqs,), jnp.int32)
+    return bound, (
+        abstract_params(config, jnp.bfloat16),
+        cache_spec(config),
+        last_tokens,
+        batch_packed,
+        sampling_packed,
+        neutral_wide(seqs, widths),
+    )
+
+
 def gpu_steps(config):
     """The step as a GPU runs it, with every sampling variant the host can choose, in a decode and a prefill
     bucket: (bound step, its abstract args)."""
     step = bind_step(model_graphdef(config), gpu.ragged_paged_attention_stacked, STACKED, branch_free=True)
-    widths = SamplingWidths(config.vocab_size, history_len=64)
     for tokens, seqs in ((8, 8), (64, 4)):
-        batch = dummy_batch(tokens, seqs, 8)
         for truncation in (False, True):
-            sampling, _ = split_wide(build_sampling_tensors([], seqs, widths, truncation=truncation))
-            packed, layout = pack((batch, sampling))
-            bound = functools.partial(step, layout=layout)
-            last_tokens = jax.ShapeDtypeStruct((seqs,), jnp.int32)
-            wide = neutral_wide(seqs, widths)
-            yield (
-                bound,
-                (abstract_params(config, jnp.bfloat16), cache_spec(config), last_tokens, packed, wide),
-            )
+            yield whole_step(config, step, tokens, seqs, truncation=truncation)
 
 
 def test_the_gpu_step_has_no_branch_or_loop_that_the_device_decides(tiny_llama):
@@ -73,18 +81,7 @@ def test_the_gpu_step_has_no_branch_or_loop_that_the_device_decides(tiny_llama):
 def test_the_cpu_sampler_keeps_its_shortcuts_so_the_check_above_can_fail(tiny_llama):
     config = tiny_llama.config
     step = bind_step(model_graphdef(config), gpu.ragged_paged_attention_stacked, STACKED, branch_free=False)
-    widths = SamplingWidths(config.vocab_size, history_len=64)
-    sampling, _ = split_wide(build_sampling_tensors([], 8, widths))
-    packed, layout = pack((dummy_batch(8, 8, 8), sampling))
-    bound = functools.partial(step, layout=layout)
-    last_tokens = jax.ShapeDtypeStruct((8,), jnp.int32)
-    args = (
-        abstract_params(config, jnp.bfloat16),
-        cache_spec(config),
-        last_tokens,
-        packed,
-        neutral_wide(8, widths),
-    )
+    bound, args = whole_step(config, step, 8, 8)
     assert "cond" in primitives(jax.make_jaxpr(bound)(*args).jaxpr)
 
 

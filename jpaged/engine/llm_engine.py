@@ -277,12 +277,14 @@ class LLMEngine:
         return scheduled
 
     def _launch(self, scheduled: ScheduledStep) -> InFlightStep:
-        """Start the step on the device. The scheduled tokens count as computed from here on, and each sampled
-        sequence as one token ahead (pending) until its token comes back, so the next schedule can plan past it."""
+        """Start the step on the device: the forward first, then, while it runs, the sampling inputs (the grammar
+        masks of constrained rows are filled here), then the sampling. The scheduled tokens count as computed
+        from here on, and each sampled sequence as one token ahead (pending) until its token comes back, so the
+        next schedule can plan past it."""
         prepared = self.runner.prepare(scheduled.schedule)
         rows = scheduled.rows
-        sampling = self.sampling.inputs(rows, prepared.num_rows)
-        pending = self.runner.dispatch(prepared, sampling)
+        self.runner.forward(prepared)
+        pending = self.runner.sample(self.sampling.inputs(rows, prepared.num_rows))
         for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
         fans_out = False

@@ -43,14 +43,15 @@ def activation_peak_bytes(
     sampling, _ = split_wide(build_sampling_tensors([], seqs, widths))  # with top_k/top_p: the larger variant
     products = choose_products(abstract(params))
     attention = attention_for(config, model_config, config.attention_impl, dtype)
-    packed, layout = pack((batch, sampling))
+    (packed_batch, batch_layout), (packed_sampling, sampling_layout) = pack(batch), pack(sampling)
     branch_free = jax.default_backend() != "cpu"
-    step = functools.partial(
-        bind_step(model_graphdef(model_config), attention, products, branch_free=branch_free), layout=layout
-    )
+    functions = bind_step(model_graphdef(model_config), attention, products, branch_free=branch_free)
+    # The whole step (the forward's logits live into the sampling): the larger of the two programs' peaks.
+    step = functools.partial(functions.whole, batch_layout=batch_layout, sampling_layout=sampling_layout)
     device_params = jax.eval_shape(products.layout, abstract(params))
     last_tokens = jax.ShapeDtypeStruct((seqs,), np.int32)
     wide = abstract(neutral_wide(seqs, widths))
-    compiled = jax.jit(step).lower(device_params, cache, last_tokens, packed, wide).compile()
+    args = (device_params, cache, last_tokens, packed_batch, packed_sampling, wide)
+    compiled = jax.jit(step).lower(*args).compile()
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0

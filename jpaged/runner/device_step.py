@@ -1,7 +1,12 @@
-"""The device step as one pure function of (params, KV cache, last tokens, packed inputs, wide sampling inputs): the
-model (its NNX graph merged with the params, the state dict), then sampling. The runner jits it once per shape
-bucket with the cache and the last tokens donated; prompt logprobs are a second program over the step's hidden
-states, one per token bucket.
+"""The device step as two pure functions, dispatched back to back: the forward (params, KV cache, last tokens, the
+packed batch) -> (KV cache, logits, hidden states), and the sampling (logits, last tokens, packed sampling inputs,
+wide sampling inputs) -> (last tokens, sampled rows). The runner jits the forward once per shape bucket with the
+cache donated, the sampling once per row count with the last tokens donated; prompt logprobs are a third program
+over the step's hidden states, one per token bucket.
+
+Two programs, because the sampling inputs of a constrained request (its grammar's token bitmask) can only be built
+once the previous step's token reached its matcher: the host fills them while the forward runs (vLLM's
+execute_model / sample_tokens split), and the forward compiles independently of which sampling variant follows.
 
 `last_tokens` [R] holds the tokens the previous step sampled, row by row: a step scheduled before the previous
 one's tokens reached the host (async scheduling) names such an input token -(row + 1), and takes it from there."""
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,31 +27,38 @@ from jpaged.runner.sampler import gather_logprobs, sample
 from jpaged.sampling_params import MAX_LOGPROBS
 
 
-def device_step(
+def forward_step(
     params,
     kv_cache,
     last_tokens,
     packed,
-    wide,
     *,
     layout,
     graphdef,
     attention,
     products,
-    branch_free,
+    logits_sharding,
 ):
-    """`packed` holds the step's batch and sampling tensors but their wide fields (packed_inputs.py), `wide` the
-    wide fields (sampling_inputs.WIDE_FIELDS). Also returns every token's hidden states [T, D], which
+    """`packed` holds the step's batch (packed_inputs.py). Returns the KV cache, the float32 logits [S, V] of the
+    rows to sample (in `logits_sharding` where a mesh splits them), and every token's hidden states [T, D], which
     `prompt_logprobs` reads when a request asks for them (kept on the device otherwise)."""
-    batch, sampling = unpack(packed, layout)
-    sampling = sampling._replace(**wide)
+    batch = unpack(packed, layout)
     batch = batch._replace(token_ids=with_last_tokens(batch.token_ids, last_tokens))
     model = nnx.merge(graphdef, params)
     hidden, kv_cache = model.hidden_states(kv_cache, batch, attention=attention, products=products)
     logits = model.logits(hidden[batch.logits_indices], batch.num_logits[0], products)
+    if logits_sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    return kv_cache, logits, hidden
+
+
+def sample_step(logits, last_tokens, packed, wide, *, layout, branch_free):
+    """`packed` holds the sampling tensors but their wide fields (packed_inputs.py), `wide` the wide fields
+    (sampling_inputs.WIDE_FIELDS). The sampled tokens also land in `last_tokens`, where the next step's forward
+    may take its inputs from."""
+    sampling = unpack(packed, layout)._replace(**wide)
     sampled = sample(logits, sampling, branch_free=branch_free)
-    last_tokens = last_tokens.at[: logits.shape[0]].set(sampled.token_ids)
-    return kv_cache, last_tokens, sampled, hidden
+    return last_tokens.at[: logits.shape[0]].set(sampled.token_ids), sampled
 
 
 def prompt_logprobs(params, hidden, targets, num_tokens, *, graphdef, products):
@@ -60,13 +73,39 @@ def with_last_tokens(token_ids: jax.Array, last_tokens: jax.Array) -> jax.Array:
     return jnp.where(token_ids < 0, jnp.take(last_tokens, jnp.maximum(-1 - token_ids, 0)), token_ids)
 
 
+class StepFunctions(NamedTuple):
+    """The two halves of a step, bound to one model and engine (see the module doc)."""
+
+    forward: Callable  # forward_step(params, kv_cache, last_tokens, packed, *, layout)
+    sample: Callable  # sample_step(logits, last_tokens, packed, wide, *, layout)
+
+    def whole(self, params, kv_cache, last_tokens, batch, sampling, wide, *, batch_layout, sampling_layout):
+        """Both halves as one function, for what looks at a whole step: its memory at the peak
+        (activation_peak.py), its primitives (tests)."""
+        kv_cache, logits, hidden = self.forward(params, kv_cache, last_tokens, batch, layout=batch_layout)
+        last_tokens, sampled = self.sample(logits, last_tokens, sampling, wide, layout=sampling_layout)
+        return kv_cache, last_tokens, sampled, hidden
+
+
 def bind_step(
-    graphdef: nnx.GraphDef, attention: Callable, products: MatrixProducts, *, branch_free: bool
-) -> Callable:
-    """`device_step` for one model (the static half of its `nnx.split`), attention implementation, weight
-    layout and sampler form (all static; branch-free on accelerators, see sampler.py)."""
-    return functools.partial(
-        device_step, graphdef=graphdef, attention=attention, products=products, branch_free=branch_free
+    graphdef: nnx.GraphDef,
+    attention: Callable,
+    products: MatrixProducts,
+    *,
+    branch_free: bool,
+    logits_sharding: jax.sharding.Sharding | None = None,
+) -> StepFunctions:
+    """The step's halves for one model (the static half of its `nnx.split`), attention implementation, weight
+    layout, logits sharding and sampler form (all static; branch-free on accelerators, see sampler.py)."""
+    return StepFunctions(
+        functools.partial(
+            forward_step,
+            graphdef=graphdef,
+            attention=attention,
+            products=products,
+            logits_sharding=logits_sharding,
+        ),
+        functools.partial(sample_step, branch_free=branch_free),
     )
 
 

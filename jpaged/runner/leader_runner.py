@@ -67,8 +67,11 @@ class LeaderRunner:
         self._followers.send((self._id, action, args))
         return getattr(self._runner, action)(*args)
 
-    def dispatch(self, step, sampling):
-        return self._both("dispatch", step, sampling)
+    def forward(self, step):
+        return self._both("forward", step)
+
+    def sample(self, sampling):
+        return self._both("sample", sampling)
 
     def copy_blocks(self, copies):
         return self._both("copy_blocks", copies)

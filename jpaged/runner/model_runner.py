@@ -1,7 +1,8 @@
-"""From a schedule to one jitted device step: pad to a shape bucket, run, bring back only the sampled tokens.
+"""From a schedule to a jitted device step: pad to a shape bucket, run, bring back only the sampled tokens.
 
-Shapes are bucketed (tokens T and sequences S; see step_shapes.py) so the step compiles once per bucket at warm-up;
-every compiled executable is kept in a table keyed by its shapes, so a compilation after warm-up is counted and
+A step is two programs (device_step.py): the forward, compiled once per shape bucket (tokens T and sequences S;
+see step_shapes.py), and the sampling, once per row count and sampling variant. Both compile at warm-up; every
+compiled executable is kept in a table keyed by its input layout, so a compilation after warm-up is counted and
 logged, never silent. The KV cache is donated: XLA updates it in place.
 """
 
@@ -43,6 +44,7 @@ from jpaged.runner.step_shapes import StepShapes
 from jpaged.runner.tensor_parallel import (
     kv_head_copies,
     kv_sharding,
+    logits_sharding,
     param_shardings,
     shard_attention,
     tensor_parallel_config,
@@ -120,13 +122,25 @@ class ModelRunner:
         attention = attention_for(config, model_config, self.attention_impl, self.dtype)
         if self.mesh:
             attention = shard_attention(attention, self.mesh)
-        step = bind_step(self.graphdef, attention, products, branch_free=self.branch_free)
-        self._step = jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2))
+        self._logits_sharding = logits_sharding(self.mesh, model_config.vocab_size) if self.mesh else None
+        step = bind_step(
+            self.graphdef,
+            attention,
+            products,
+            branch_free=self.branch_free,
+            logits_sharding=self._logits_sharding,
+        )
+        self._forward = jax.jit(step.forward, static_argnames=("layout",), donate_argnums=(1,))
+        self._sample = jax.jit(step.sample, static_argnames=("layout",), donate_argnums=(1,))
         self._prompt_logprobs = jax.jit(bind_prompt_logprobs(self.graphdef, products))
         self._prompt_programs: dict[int, Callable] = {}  # tokens T -> compiled prompt_logprobs
         self._saved = step_cache(config.compilation_cache_dir)
-        self._compiled: dict = {}
+        self._compiled: dict = {}  # the batch's PackedLayout -> compiled forward
+        self._sample_programs: dict = {}  # the sampling tensors' PackedLayout -> compiled sampling
         self._not_run: dict = {}  # warm-up shapes never run yet -> their dummy (batch, sampling); see warmup
+        self._forwarded = (
+            None  # the dispatched forward's (logits, prompt logprobs), until `sample` takes them
+        )
         self.num_compilations = 0
         self.warmed_up = False
         self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=0)
@@ -144,47 +158,83 @@ class ModelRunner:
         return build_sampling_tensors(rows, num_rows, self.sampling_widths, truncation=not self.branch_free)
 
     def dispatch(self, step: PreparedStep, sampling: SamplingTensors) -> PendingOutput:
-        """Start the step on the device and return at once (JAX dispatches asynchronously); its outputs follow
-        to the host while the host goes on."""
-        packed, layout, wide = self._inputs(step, sampling)
-        compiled = self._compiled_for(layout, sampling.temperature.shape[0])
-        self.kv_cache, self.last_tokens, sampled, hidden = compiled(
-            self.params, self.kv_cache, self.last_tokens, packed, wide
-        )
+        """`forward` then `sample`: the whole step, for sampling inputs known before it starts."""
+        self.forward(step)
+        return self.sample(sampling)
+
+    def forward(self, step: PreparedStep) -> None:
+        """Start the step's forward (and its prompt logprobs) on the device and return at once (JAX dispatches
+        asynchronously): the host builds the sampling inputs meanwhile, for `sample`, which must come next."""
+        packed, layout = pack(step.batch)
+        compiled = self._compiled_for(layout)
+        self.kv_cache, logits, hidden = compiled(self.params, self.kv_cache, self.last_tokens, packed)
         prompt = None
         if step.prompt_targets is not None:
             num_tokens = np.array([step.batch.query_start[step.batch.num_seqs[0]]], np.int32)
             program = self._prompt_program(len(step.prompt_targets))
             prompt = program(self.params, hidden, step.prompt_targets, num_tokens)
+        self._forwarded = (logits, prompt)
+
+    @property
+    def forward_running(self) -> bool:
+        """Whether the forward just dispatched is still on the device: the host's work before `sample` is hidden
+        behind it while it is."""
+        return self._forwarded is not None and not self._forwarded[0].is_ready()
+
+    def sample(self, sampling: SamplingTensors) -> PendingOutput:
+        """Sample the forward just dispatched; its outputs follow to the host while the host goes on."""
+        if self._forwarded is None:
+            raise RuntimeError("sample() needs a forward() dispatched before it")
+        (logits, prompt), self._forwarded = self._forwarded, None
+        packed, layout, wide = self._sampling_inputs(sampling)
+        program = self._sample_program(layout, logits.shape[0])
+        self.last_tokens, sampled = program(logits, self.last_tokens, packed, wide)
         return PendingOutput(sampled, prompt)
 
-    def _inputs(self, step: PreparedStep, sampling: SamplingTensors):
-        """The step's packed buffer (one transfer), its layout, and the wide sampling fields: the host's where it
-        built them, the device's neutral ones elsewhere."""
+    def _sampling_inputs(self, sampling: SamplingTensors):
+        """The sampling tensors' packed buffer (one transfer), its layout, and the wide fields: the host's where
+        it built them, the device's neutral ones elsewhere."""
         small, wide = split_wide(sampling)
-        packed, layout = pack((step.batch, small))
+        packed, layout = pack(small)
         neutral = self._neutral_wide[sampling.temperature.shape[0]]
         return packed, layout, {name: neutral[name] if v is None else v for name, v in wide.items()}
 
-    def _compiled_for(self, layout: PackedLayout, num_rows: int):
+    def _compiled_for(self, layout: PackedLayout):
         self._not_run.pop(layout, None)
         compiled = self._compiled.get(layout)
         if compiled is None:
-            if self.warmed_up:
-                logger.warning(
-                    "compiling a new step shape after warm-up: %s", [shape for shape, _, _ in layout.arrays]
-                )
-            compiled = self._compiled[layout] = self._compile(layout, num_rows)
+            self._warn_if_warm("a new step shape", layout)
+            compiled = self._compiled[layout] = self._compile_forward(layout)
             self.num_compilations += 1
         return compiled
 
-    def _compile(self, layout: PackedLayout, num_rows: int):
-        """The step for inputs of this layout (and `num_rows` sampled rows): loaded from the executable cache,
-        else traced, lowered and compiled."""
-        packed = np.zeros(sum(int(np.prod(shape)) for shape, _, _ in layout.arrays), np.int32)
-        args = (self.params, self.kv_cache, self.last_tokens, packed, self._neutral_wide[num_rows])
-        key = self._cache_key(args, str(layout.treedef), layout.arrays)
-        return self._saved.get_or_compile(key, lambda: self._step.lower(*args, layout=layout).compile())
+    def _sample_program(self, layout: PackedLayout, num_rows: int):
+        program = self._sample_programs.get(layout)
+        if program is None:
+            self._warn_if_warm("a new sampling shape", layout)
+            program = self._sample_programs[layout] = self._compile_sample(layout, num_rows)
+            self.num_compilations += 1
+        return program
+
+    def _warn_if_warm(self, what: str, layout: PackedLayout) -> None:
+        if self.warmed_up:
+            logger.warning("compiling %s after warm-up: %s", what, [shape for shape, _, _ in layout.arrays])
+
+    def _compile_forward(self, layout: PackedLayout):
+        """The forward for a batch of this layout: loaded from the executable cache, else traced, lowered and
+        compiled."""
+        packed = _zeros_for(layout)
+        args = (self.params, self.kv_cache, self.last_tokens, packed)
+        key = self._cache_key(args, "forward", str(layout.treedef), layout.arrays)
+        return self._saved.get_or_compile(key, lambda: self._forward.lower(*args, layout=layout).compile())
+
+    def _compile_sample(self, layout: PackedLayout, num_rows: int):
+        """The sampling for tensors of this layout (`num_rows` rows), of the forward's float32 logits."""
+        shape = (num_rows, self.model_config.vocab_size)
+        logits = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._logits_sharding)
+        args = (logits, self.last_tokens, _zeros_for(layout), self._neutral_wide[num_rows])
+        key = self._cache_key(args, "sample", str(layout.treedef), layout.arrays, self.branch_free)
+        return self._saved.get_or_compile(key, lambda: self._sample.lower(*args, layout=layout).compile())
 
     def _cache_key(self, args, *extra) -> tuple:
         """What an executable depends on: its arguments' tree, shapes, dtypes and shardings, the model, the
@@ -230,18 +280,18 @@ class ModelRunner:
 
     # ---- warm-up ----
 
-    def _dummy_steps(self, num_tokens: int, num_seqs: int) -> list[tuple[PreparedStep, SamplingTensors]]:
-        """A step of these shapes with no live sequence, with each sampling variant the host may choose for it
+    def _dummy_sampling(self, num_seqs: int) -> list[SamplingTensors]:
+        """Sampling tensors of `num_seqs` rows of no live sequence, in each variant the host may choose
         (branch-free: with and without top-k/top-p)."""
-        step = PreparedStep(dummy_batch(num_tokens, num_seqs, self.max_blocks_per_seq))
         variants = [self.sampling_tensors([], num_seqs)]
         if self.branch_free:
             variants.append(build_sampling_tensors([], num_seqs, self.sampling_widths))
-        return [(step, tensors) for tensors in variants]
+        return variants
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every (T, S) bucket pair that can occur and the prompt-logprobs program of every T, one compile
-        per core at a time (XLA compiles outside the GIL), then run each decode-sized shape (T <= max_num_seqs) once on its dummy batch (every token writes
+        """Compile the forward of every (T, S) bucket pair that can occur, the sampling of every S (each variant)
+        and the prompt-logprobs program of every T, one compile per core at a time (XLA compiles outside the
+        GIL), then run each decode-sized shape (T <= max_num_seqs) once on its dummy batch (every token writes
         to the null block 0, no sequence is live); returns the seconds taken.
 
         An executable's first run sets things up (XLA CPU builds each matmul's YNNPACK runtime then; see
@@ -249,23 +299,34 @@ class ModelRunner:
         prefill shapes, which would lengthen a start, wait for `run_unrun_shape` (a server runs them while idle)
         or pay it on first use."""
         start = time.perf_counter()
-        jobs = []
-        for t, s in self.shapes.all_shapes():
-            for step, tensors in self._dummy_steps(t, s):
-                jobs.append((self._inputs(step, tensors)[1], step, tensors))
+        sampling = {s: self._dummy_sampling(s) for s in sorted({s for _, s in self.shapes.all_shapes()})}
+        steps = [
+            PreparedStep(dummy_batch(t, s, self.max_blocks_per_seq)) for t, s in self.shapes.all_shapes()
+        ]
         with (
             ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
-            tqdm(total=len(jobs), desc="warm-up (compiling step shapes)", disable=not progress) as bar,
+            tqdm(total=len(steps), desc="warm-up (compiling step shapes)", disable=not progress) as bar,
         ):
-            futures = [(job, pool.submit(self._compile, job[0], job[2].temperature.shape[0])) for job in jobs]
+            sample_futures = {
+                layout: pool.submit(self._compile_sample, layout, num_rows)
+                for num_rows, variants in sampling.items()
+                for layout in (self._sampling_inputs(tensors)[1] for tensors in variants)
+            }
+            forward_futures = [
+                (step, pool.submit(self._compile_forward, pack(step.batch)[1])) for step in steps
+            ]
             prompt_futures = {
                 t: pool.submit(self._compile_prompt_program, t) for t in self.shapes.token_sizes
             }
-            for (layout, step, tensors), future in futures:
+            for step, future in forward_futures:
+                layout = pack(step.batch)[1]
                 self._compiled[layout] = future.result()
-                self._not_run[layout] = (step, tensors)
+                self._not_run[layout] = (step, sampling[step.num_rows][0])
                 self.num_compilations += 1
                 bar.update(1)
+            for layout, future in sample_futures.items():
+                self._sample_programs[layout] = future.result()
+                self.num_compilations += 1
             for num_tokens, future in prompt_futures.items():
                 self._prompt_programs[num_tokens] = future.result()
                 self.num_compilations += 1
@@ -279,7 +340,7 @@ class ModelRunner:
         self.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info(
-            "warm-up: %d step shapes compiled (or loaded) in %.1f s, %d decode shapes run once in %.1f s",
+            "warm-up: %d step programs compiled (or loaded) in %.1f s, %d decode shapes run once in %.1f s",
             self.num_compilations,
             compiled_in,
             len(decode_sized),
@@ -387,6 +448,11 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
         self.kv_cache = self._scatter_blocks(self.kv_cache, np.asarray(block_ids, np.int32), k, v)
+
+
+def _zeros_for(layout: PackedLayout) -> np.ndarray:
+    """A packed buffer of this layout (what a program is lowered for: only its shape counts)."""
+    return np.zeros(sum(int(np.prod(shape)) for shape, _, _ in layout.arrays), np.int32)
 
 
 def attention_for(config: EngineConfig, model_config: ModelConfig, impl: str, dtype) -> Callable:

@@ -2,8 +2,8 @@
 from the models' logical axes Megatron-style (attention by heads, MLP gate/up by columns and down by rows,
 embedding and LM head by vocabulary, norms replicated), the KV pool by KV heads, and the attention kernel under
 `shard_map` on each device's own heads. Everything else is XLA's: it inserts the collectives (an all-reduce after
-the attention output and the MLP down projections) and runs the sampler on the vocabulary-sharded logits. More
-devices than KV heads repeat each KV head (kv_head_copies), as vLLM does.
+the attention output and the MLP down projections) and runs the sampler on the vocabulary-sharded logits
+(logits_sharding). More devices than KV heads repeat each KV head (kv_head_copies), as vLLM does.
 """
 
 from __future__ import annotations
@@ -74,6 +74,13 @@ def param_shardings(mesh: Mesh, config: ModelConfig) -> dict:
     return jax.tree_util.tree_map(
         sharding, partition_specs(config), abstract_params(config), is_leaf=lambda x: isinstance(x, P)
     )
+
+
+def logits_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
+    """The logits [S, V] between the forward and the sampling programs: split by vocabulary like the LM head
+    that makes them (replicated where the mesh does not divide it), so the sampler runs vocabulary-parallel
+    and no device gathers the whole logits."""
+    return NamedSharding(mesh, P(None, AXIS if vocab_size % mesh.shape[AXIS] == 0 else None))
 
 
 def place_sharded(params: dict, shardings: dict, columns: dict) -> dict:
