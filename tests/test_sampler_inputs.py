@@ -15,6 +15,7 @@ from jpaged.runner.sampling_inputs import (
     SamplingTensors,
     SamplingWidths,
     build_sampling_tensors,
+    neutral_wide,
 )
 from jpaged.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
 
@@ -60,6 +61,45 @@ def test_one_compiled_sampler_serves_every_kind_of_request():
             with_neutral_wide(build_sampling_tensors(rows, 8, WIDTHS)),
         )
     assert len(traces) == 1
+
+
+def test_a_penalised_batch_sends_its_history_in_the_narrowest_width_that_fits():
+    widths = SamplingWidths(V, history_len=20000)
+    assert widths.history_widths == (1024, 8192, 20000)
+    assert SamplingWidths(V, history_len=1024).history_widths == (1024,)
+    assert SamplingWidths(V, history_len=64).history_widths == (64,)
+    penalised = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.2)
+    long_unpenalised = SamplingRow(SamplingParams(), list(range(5000)), [], 0)
+
+    def history(rows):
+        return build_sampling_tensors(rows, 8, widths).history
+
+    short = rows_of(penalised, 2, outputs=[5, 5, 6], prompt=range(1000))
+    assert history(short).shape == (8, 1024)
+    assert history([*short, long_unpenalised]).shape == (8, 1024)  # only penalised rows send theirs
+    assert (history([*short, long_unpenalised])[2] == V).all()
+    assert history(rows_of(penalised, 1, prompt=range(1025))).shape == (8, 8192)
+    assert history(rows_of(penalised, 1, prompt=range(9000))).shape == (8, 20000)
+    assert neutral_wide(8, widths)["history"].shape == (8, 1024)
+
+
+def test_penalties_do_not_depend_on_the_history_width():
+    rows = rows_of(
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.7, logprobs=3),
+        3,
+        outputs=[4, 9, 9, 17],
+    )
+    narrow = with_neutral_wide(build_sampling_tensors(rows, 8, WIDTHS))
+    wide = narrow._replace(history=np.pad(narrow.history, ((0, 0), (0, 448)), constant_values=V))
+    logits = np.random.default_rng(2).normal(size=(8, V)).astype(np.float32)
+    logits[:, [1, 2, 3, 4, 9, 17]] += 3.0  # the history's tokens are the ones the penalties must push down
+    a, b = (jax.tree.map(np.asarray, jitted_sample(logits, t)) for t in (narrow, wide))
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    unpenalised = with_neutral_wide(
+        build_sampling_tensors(rows_of(SamplingParams(temperature=0.0), 3), 8, WIDTHS)
+    )
+    assert not np.array_equal(np.asarray(jitted_sample(logits, unpenalised).token_ids)[:3], a.token_ids[:3])
 
 
 def test_the_bitmask_allows_its_rows_tokens_less_the_bans():

@@ -28,9 +28,10 @@ KINDS = {
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    """Decode steps of 24 rows: a midpoint of the shape ladder, where S is a token size, not a sequence size."""
+    """Decode steps of 24 rows: a midpoint of the shape ladder, where S is a token size, not a sequence size; a
+    max_model_len with two penalty-history widths."""
     return LLM(
-        str(tiny_model_dir("smollm2_tied")), max_model_len=256, max_num_seqs=24, max_num_batched_tokens=64
+        str(tiny_model_dir("smollm2_tied")), max_model_len=2048, max_num_seqs=24, max_num_batched_tokens=64
     )
 
 
@@ -46,4 +47,15 @@ def test_all_kinds_in_one_batch_and_beam_search_compile_nothing(llm):
     params = [SamplingParams(max_tokens=5, **fields) for fields in KINDS.values()]
     llm.generate([f"prompt {i} " * (i + 1) for i in range(len(params))], params, use_tqdm=False)
     llm.beam_search(["beam me"], beam_width=3, max_tokens=4)
+    assert llm.metrics()["num_compilations"] == compiled
+
+
+def test_penalised_histories_of_every_width_compile_nothing(llm):
+    """A penalised batch sends its history in the narrowest width its longest fits: each width compiled at
+    warm-up."""
+    assert llm.engine.runner.sampling_widths.history_widths == (1024, 2048)
+    compiled = llm.metrics()["num_compilations"]
+    params = SamplingParams(max_tokens=5, presence_penalty=0.5, repetition_penalty=1.2)
+    outputs = llm.generate(["short", "a longer prompt " * 400], params, use_tqdm=False)
+    assert len(outputs[1].prompt_token_ids) > 1024
     assert llm.metrics()["num_compilations"] == compiled

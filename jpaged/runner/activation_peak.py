@@ -51,6 +51,7 @@ def activation_peak_bytes(
     device_params = jax.eval_shape(products.layout, abstract(params))
     last_tokens = jax.ShapeDtypeStruct((seqs,), np.int32)
     wide = abstract(neutral_wide(seqs, widths))
+    wide["history"] = jax.ShapeDtypeStruct((seqs, widths.history_len), np.int32)  # the widest a step sends
     args = (device_params, cache, last_tokens, packed_batch, packed_sampling, wide)
     compiled = jax.jit(step).lower(*args).compile()
     analysis = compiled.memory_analysis()

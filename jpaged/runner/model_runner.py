@@ -136,7 +136,7 @@ class ModelRunner:
         self._prompt_programs: dict[int, Callable] = {}  # tokens T -> compiled prompt_logprobs
         self._saved = step_cache(config.compilation_cache_dir)
         self._compiled: dict = {}  # the batch's PackedLayout -> compiled forward
-        self._sample_programs: dict = {}  # the sampling tensors' PackedLayout -> compiled sampling
+        self._sample_programs: dict = {}  # (sampling tensors' PackedLayout, history width) -> compiled sampling
         self._not_run: dict = {}  # warm-up shapes never run yet -> their dummy (batch, sampling); see warmup
         self._forwarded = (
             None  # the dispatched forward's (logits, prompt logprobs), until `sample` takes them
@@ -187,7 +187,7 @@ class ModelRunner:
             raise RuntimeError("sample() needs a forward() dispatched before it")
         (logits, prompt), self._forwarded = self._forwarded, None
         packed, layout, wide = self._sampling_inputs(sampling)
-        program = self._sample_program(layout, logits.shape[0])
+        program = self._sample_program(layout, logits.shape[0], wide["history"].shape[1])
         self.last_tokens, sampled = program(logits, self.last_tokens, packed, wide)
         return PendingOutput(sampled, prompt)
 
@@ -208,11 +208,12 @@ class ModelRunner:
             self.num_compilations += 1
         return compiled
 
-    def _sample_program(self, layout: PackedLayout, num_rows: int):
-        program = self._sample_programs.get(layout)
+    def _sample_program(self, layout: PackedLayout, num_rows: int, history_width: int):
+        key = (layout, history_width)
+        program = self._sample_programs.get(key)
         if program is None:
-            self._warn_if_warm("a new sampling shape", layout)
-            program = self._sample_programs[layout] = self._compile_sample(layout, num_rows)
+            self._warn_if_warm(f"a new sampling shape (history {history_width})", layout)
+            program = self._sample_programs[key] = self._compile_sample(layout, num_rows, history_width)
             self.num_compilations += 1
         return program
 
@@ -228,11 +229,17 @@ class ModelRunner:
         key = self._cache_key(args, "forward", str(layout.treedef), layout.arrays)
         return self._saved.get_or_compile(key, lambda: self._forward.lower(*args, layout=layout).compile())
 
-    def _compile_sample(self, layout: PackedLayout, num_rows: int):
-        """The sampling for tensors of this layout (`num_rows` rows), of the forward's float32 logits."""
+    def _compile_sample(self, layout: PackedLayout, num_rows: int, history_width: int):
+        """The sampling for tensors of this layout (`num_rows` rows, a history this wide), of the forward's
+        float32 logits."""
         shape = (num_rows, self.model_config.vocab_size)
         logits = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._logits_sharding)
-        args = (logits, self.last_tokens, _zeros_for(layout), self._neutral_wide[num_rows])
+        wide = dict(self._neutral_wide[num_rows])
+        history = wide["history"]
+        wide["history"] = jax.ShapeDtypeStruct(
+            (num_rows, history_width), history.dtype, sharding=history.sharding
+        )
+        args = (logits, self.last_tokens, _zeros_for(layout), wide)
         key = self._cache_key(args, "sample", str(layout.treedef), layout.arrays, self.branch_free)
         return self._saved.get_or_compile(key, lambda: self._sample.lower(*args, layout=layout).compile())
 
@@ -289,9 +296,9 @@ class ModelRunner:
         return variants
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile the forward of every (T, S) bucket pair that can occur, the sampling of every S (each variant)
-        and the prompt-logprobs program of every T, one compile per core at a time (XLA compiles outside the
-        GIL), then run each decode-sized shape (T <= max_num_seqs) once on its dummy batch (every token writes
+        """Compile the forward of every (T, S) bucket pair that can occur, the sampling of every S (each variant
+        and history width) and the prompt-logprobs program of every T, one compile per core at a time (XLA
+        compiles outside the GIL), then run each decode-sized shape (T <= max_num_seqs) once on its dummy batch (every token writes
         to the null block 0, no sequence is live); returns the seconds taken.
 
         An executable's first run sets things up (XLA CPU builds each matmul's YNNPACK runtime then; see
@@ -308,9 +315,10 @@ class ModelRunner:
             tqdm(total=len(steps), desc="warm-up (compiling step shapes)", disable=not progress) as bar,
         ):
             sample_futures = {
-                layout: pool.submit(self._compile_sample, layout, num_rows)
+                (layout, width): pool.submit(self._compile_sample, layout, num_rows, width)
                 for num_rows, variants in sampling.items()
                 for layout in (self._sampling_inputs(tensors)[1] for tensors in variants)
+                for width in self.sampling_widths.history_widths
             }
             forward_futures = [
                 (step, pool.submit(self._compile_forward, pack(step.batch)[1])) for step in steps
@@ -324,8 +332,8 @@ class ModelRunner:
                 self._not_run[layout] = (step, sampling[step.num_rows][0])
                 self.num_compilations += 1
                 bar.update(1)
-            for layout, future in sample_futures.items():
-                self._sample_programs[layout] = future.result()
+            for key, future in sample_futures.items():
+                self._sample_programs[key] = future.result()
                 self.num_compilations += 1
             for num_tokens, future in prompt_futures.items():
                 self._prompt_programs[num_tokens] = future.result()

@@ -2,12 +2,13 @@
 (`SamplingTensors`), and what the step gives back (`SamplerOutput`). No JAX here: the engine's host side imports
 these types; the device side is sampler.py, whose module doc says what each field does.
 
-Shapes: S rows (padded batch), V vocabulary, H token-history width (max_model_len), B logit-bias entries per row
-(MAX_LOGIT_BIAS_TOKENS), W = ceil(V / 32) bitmask words per row, K = MAX_LOGPROBS top logprobs.
+Shapes: S rows (padded batch), V vocabulary, H token-history width (one of SamplingWidths.history_widths, up to
+max_model_len), B logit-bias entries per row (MAX_LOGIT_BIAS_TOKENS), W = ceil(V / 32) bitmask words per row,
+K = MAX_LOGPROBS top logprobs.
 
-Every batch of S rows has the same fields and shapes, whatever its requests ask, so a shape compiles once: the
-wide fields (WIDE_FIELDS) are None where no row needs them, and the runner passes a copy it keeps on the device
-(`neutral_wide`) in their place instead of sending them.
+Every batch of S rows has the same fields and shapes, whatever its requests ask, so a shape compiles once (the
+history in a few widths, each compiled at warm-up): the wide fields (WIDE_FIELDS) are None where no row needs them,
+and the runner passes a copy it keeps on the device (`neutral_wide`) in their place instead of sending them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from jpaged.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams
 
 WIDE_FIELDS = ("history", "bias_ids", "bias_values", "token_bitmask")
 _UINT32 = 0xFFFFFFFF
+# The narrowest penalty history, and the factor between one history width and the next: a long max_model_len
+# costs a batch of short histories neither the transfer nor the scatter of its whole width.
+MIN_HISTORY_WIDTH = 1024
+HISTORY_WIDTH_GROWTH = 8
 
 
 @dataclass(slots=True)
@@ -72,6 +77,16 @@ class SamplingWidths(NamedTuple):
     def bitmask_words(self) -> int:
         return cdiv(self.vocab_size, 32)
 
+    @property
+    def history_widths(self) -> tuple[int, ...]:
+        """The widths a step's history may take, narrowest first, the last history_len: a batch takes the
+        narrowest its longest history fits (each width's sampling compiles at warm-up)."""
+        widths, width = [], min(MIN_HISTORY_WIDTH, self.history_len)
+        while width < self.history_len:
+            widths.append(width)
+            width *= HISTORY_WIDTH_GROWTH
+        return (*widths, self.history_len)
+
 
 class SamplerOutput(NamedTuple):
     token_ids: np.ndarray  # i32[S]
@@ -86,10 +101,11 @@ def all_allowed_bitmask(num_rows: int, widths: SamplingWidths) -> np.ndarray:
 
 
 def neutral_wide(num_rows: int, widths: SamplingWidths) -> dict[str, np.ndarray]:
-    """The wide fields of rows that need none of them: no history, no bias, every token allowed."""
+    """The wide fields of rows that need none of them: no history (in the narrowest width), no bias, every token
+    allowed."""
     vocab_size = widths.vocab_size
     return {
-        "history": np.full((num_rows, widths.history_len), vocab_size, np.int32),
+        "history": np.full((num_rows, widths.history_widths[0]), vocab_size, np.int32),
         "bias_ids": np.full((num_rows, widths.bias_len), vocab_size, np.int32),
         "bias_values": np.zeros((num_rows, widths.bias_len), np.float32),
         "token_bitmask": all_allowed_bitmask(num_rows, widths),
@@ -165,14 +181,22 @@ def build_sampling_tensors(
         # A top_k of the vocabulary or more keeps every token: clamped, any int a client sends fits int32.
         fields["top_k"] = column([min(max(p.top_k, 0), vocab_size) for p in params], 0, np.int32)
         fields["top_p"] = column([p.top_p for p in params], 1.0, np.float32)
-    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
-        histories = [[*r.prompt_token_ids, *r.output_token_ids] for r in rows]
+    penalised = [
+        bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0) for p in params
+    ]
+    if any(penalised):
+        # Only penalised rows need theirs: the others' (padding) change nothing.
+        histories = [
+            [*r.prompt_token_ids, *r.output_token_ids] if wanted else []
+            for r, wanted in zip(rows, penalised, strict=True)
+        ]
         longest = max(len(h) for h in histories)
         if longest > widths.history_len:
             raise ValueError(
                 f"history_len ({widths.history_len}) is shorter than a row's history ({longest})"
             )
-        fields["history"] = _padded(histories, num_rows, widths.history_len, vocab_size, np.int32)
+        width = next(width for width in widths.history_widths if width >= longest)
+        fields["history"] = _padded(histories, num_rows, width, vocab_size, np.int32)
     if any(p.logit_bias for p in params):
         biases = [p.logit_bias or {} for p in params]
         longest = max(len(b) for b in biases)
