@@ -34,7 +34,7 @@ _COUNTERS = {  # exported name -> (engine.metrics() key, help)
     "generation_tokens": ("generation_tokens", "Tokens generated."),
     "num_compilations": (
         "num_compilations",
-        "Device step shapes compiled (should stop growing after warm-up).",
+        "Device step programs compiled (should stop growing after warm-up).",
     ),
 }
 

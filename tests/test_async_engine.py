@@ -124,7 +124,12 @@ def test_an_idle_loop_gives_every_warm_up_shape_its_first_run(tiny_model_dir):
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         outputs = asyncio.run(collect(async_engine, "after", [1, 2, 3], params))
         assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
-        shapes = engine.runner.shapes  # each step shape, and each token size's prompt-logprobs program
-        assert engine.metrics()["num_compilations"] == len(shapes.all_shapes()) + len(shapes.token_sizes)
+        # each step shape's forward, each row count's sampling (one history width here: max_model_len 256),
+        # each token size's prompt-logprobs program
+        shapes = engine.runner.shapes
+        row_counts = {s for _, s in shapes.all_shapes()}
+        expected = len(shapes.all_shapes()) + len(row_counts) + len(shapes.token_sizes)
+        assert engine.runner.sampling_widths.history_widths == (engine.config.max_model_len,)
+        assert engine.metrics()["num_compilations"] == expected
     finally:
         async_engine.shutdown(timeout=5)

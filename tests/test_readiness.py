@@ -184,7 +184,7 @@ def test_while_the_model_loads_the_process_is_alive_but_not_ready(lifecycle):
 
 def test_ready_only_once_warm_up_has_compiled_every_step_shape(lifecycle):
     assert set(lifecycle.ready_statuses[:-1]) <= {503} and lifecycle.ready_statuses[-1] == 200
-    assert "warm-up:" in lifecycle.log_at_ready and "step shapes compiled" in lifecycle.log_at_ready
+    assert "warm-up:" in lifecycle.log_at_ready and "step programs compiled" in lifecycle.log_at_ready
     assert lifecycle.compilations_at_ready > 0
     assert lifecycle.compilations_after_request == lifecycle.compilations_at_ready  # nothing left to compile
 
