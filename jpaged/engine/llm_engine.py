@@ -277,10 +277,9 @@ class LLMEngine:
         return scheduled
 
     def _launch(self, scheduled: ScheduledStep) -> InFlightStep:
-        """Start the step on the device: the forward first, then, while it runs, the sampling inputs (the grammar
-        masks of constrained rows are filled here), then the sampling. The scheduled tokens count as computed
-        from here on, and each sampled sequence as one token ahead (pending) until its token comes back, so the
-        next schedule can plan past it."""
+        """Start the forward, build the sampling inputs (grammar masks) while it runs, then start the sampling. The
+        scheduled tokens count as computed from here on, and each sampled sequence as one token ahead (pending)
+        until its token comes back, so the next schedule can plan past it."""
         prepared = self.runner.prepare(scheduled.schedule)
         rows = scheduled.rows
         self.runner.forward(prepared)

@@ -138,9 +138,8 @@ class ModelRunner:
         self._compiled: dict = {}  # the batch's PackedLayout -> compiled forward
         self._sample_programs: dict = {}  # (sampling tensors' PackedLayout, history width) -> compiled sampling
         self._not_run: dict = {}  # warm-up shapes never run yet -> their dummy (batch, sampling); see warmup
-        self._forwarded = (
-            None  # the dispatched forward's (logits, prompt logprobs), until `sample` takes them
-        )
+        # The dispatched forward's (logits, prompt logprobs), until `sample` takes them.
+        self._forwarded = None
         self.num_compilations = 0
         self.warmed_up = False
         self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=0)
@@ -201,25 +200,30 @@ class ModelRunner:
 
     def _compiled_for(self, layout: PackedLayout):
         self._not_run.pop(layout, None)
-        compiled = self._compiled.get(layout)
-        if compiled is None:
-            self._warn_if_warm("a new step shape", layout)
-            compiled = self._compiled[layout] = self._compile_forward(layout)
-            self.num_compilations += 1
-        return compiled
+        return self._program(
+            self._compiled,
+            layout,
+            lambda: f"a new step shape: {_shapes(layout)}",
+            lambda: self._compile_forward(layout),
+        )
 
     def _sample_program(self, layout: PackedLayout, num_rows: int, history_width: int):
-        key = (layout, history_width)
-        program = self._sample_programs.get(key)
+        return self._program(
+            self._sample_programs,
+            (layout, history_width),
+            lambda: f"a new sampling shape (history {history_width}): {_shapes(layout)}",
+            lambda: self._compile_sample(layout, num_rows, history_width),
+        )
+
+    def _program(self, table: dict, key, describe: Callable[[], str], compile_fn: Callable):
+        """`table[key]`, compiled (and counted) on a miss: a miss after warm-up is logged, naming `describe()`."""
+        program = table.get(key)
         if program is None:
-            self._warn_if_warm(f"a new sampling shape (history {history_width})", layout)
-            program = self._sample_programs[key] = self._compile_sample(layout, num_rows, history_width)
+            if self.warmed_up:
+                logger.warning("compiling %s after warm-up", describe())
+            program = table[key] = compile_fn()
             self.num_compilations += 1
         return program
-
-    def _warn_if_warm(self, what: str, layout: PackedLayout) -> None:
-        if self.warmed_up:
-            logger.warning("compiling %s after warm-up: %s", what, [shape for shape, _, _ in layout.arrays])
 
     def _compile_forward(self, layout: PackedLayout):
         """The forward for a batch of this layout: loaded from the executable cache, else traced, lowered and
@@ -260,13 +264,12 @@ class ModelRunner:
 
     def _prompt_program(self, num_tokens: int):
         """The compiled prompt_logprobs for steps of `num_tokens` tokens (warm-up compiles one per token size)."""
-        program = self._prompt_programs.get(num_tokens)
-        if program is None:
-            if self.warmed_up:
-                logger.warning("compiling prompt logprobs for %d tokens after warm-up", num_tokens)
-            program = self._prompt_programs[num_tokens] = self._compile_prompt_program(num_tokens)
-            self.num_compilations += 1
-        return program
+        return self._program(
+            self._prompt_programs,
+            num_tokens,
+            lambda: f"prompt logprobs for {num_tokens} tokens",
+            lambda: self._compile_prompt_program(num_tokens),
+        )
 
     def _compile_prompt_program(self, num_tokens: int):
         replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh else None
@@ -321,13 +324,13 @@ class ModelRunner:
                 for width in self.sampling_widths.history_widths
             }
             forward_futures = [
-                (step, pool.submit(self._compile_forward, pack(step.batch)[1])) for step in steps
+                (step, layout, pool.submit(self._compile_forward, layout))
+                for step, layout in ((step, pack(step.batch)[1]) for step in steps)
             ]
             prompt_futures = {
                 t: pool.submit(self._compile_prompt_program, t) for t in self.shapes.token_sizes
             }
-            for step, future in forward_futures:
-                layout = pack(step.batch)[1]
+            for step, layout, future in forward_futures:
                 self._compiled[layout] = future.result()
                 self._not_run[layout] = (step, sampling[step.num_rows][0])
                 self.num_compilations += 1
@@ -456,6 +459,10 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
         self.kv_cache = self._scatter_blocks(self.kv_cache, np.asarray(block_ids, np.int32), k, v)
+
+
+def _shapes(layout: PackedLayout) -> list[tuple[int, ...]]:
+    return [shape for shape, _, _ in layout.arrays]
 
 
 def _zeros_for(layout: PackedLayout) -> np.ndarray:
