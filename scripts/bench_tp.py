@@ -89,7 +89,7 @@ def main() -> None:
             step_ms = statistics.median(decode_step_times(engine, args.steps, size)) * 1e3
             baseline = baseline or step_ms
             num_tokens, _ = engine.runner.shapes.shape_for(size, size)  # the decode steps' bucket
-            text = engine.runner.compiled_step_texts(num_tokens)[0]
+            text = engine.runner.programs.step_texts(num_tokens)[0]
             counts = Counter(COLLECTIVE.findall(text))
             found = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "none"
             print(f"| {size} | {tp} | {step_ms:.2f} | {step_ms / baseline:.2f} | {found} |")

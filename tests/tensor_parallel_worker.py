@@ -77,7 +77,7 @@ def run(model: str | None, tp: int) -> dict:
     outputs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     runner = llm.engine.runner
     qkv, pool = runner.params["layers"]["attn"]["qkv"], runner.kv_cache.k
-    hlo = runner.compiled_step_texts()[0]
+    hlo = runner.programs.step_texts()[0]
     collectives = r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)\("
     return {
         "collectives": [[op, shape] for shape, op in re.findall(collectives, hlo)],

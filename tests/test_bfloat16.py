@@ -43,7 +43,7 @@ def test_the_step_writes_the_bfloat16_pool_in_place_without_widening_it(model):
     pool = engine.runner.kv_cache.k
     assert pool.dtype == jnp.uint16
     widened = "f32[" + ",".join(map(str, pool.shape)) + "]"
-    programs = [compiled.as_text() for compiled in engine.runner._compiled.values()]
+    programs = [compiled.as_text() for compiled in engine.runner.programs.forwards.values()]
     assert programs and not any(widened in text for text in programs)
 
 
@@ -104,7 +104,7 @@ def test_a_bfloat16_step_moves_no_more_bytes_than_one_and_a_half_float32_steps(t
         run(engine)
         moved[dtype] = {
             layout: compiled.cost_analysis()["bytes accessed"]
-            for layout, compiled in engine.runner._compiled.items()
+            for layout, compiled in engine.runner.programs.forwards.items()
         }
     assert moved["float32"].keys() == moved["bfloat16"].keys()
     for layout, float32_bytes in moved["float32"].items():

@@ -1,18 +1,16 @@
 """From a schedule to a jitted device step: pad to a shape bucket, run, bring back only the sampled tokens.
 
 A step is two programs (device_step.py): the forward, compiled once per shape bucket (tokens T and sequences S;
-see step_shapes.py), and the sampling, once per row count and sampling variant. Both compile at warm-up; every
-compiled executable is kept in a table keyed by its input layout, so a compilation after warm-up is counted and
-logged, never silent. The KV cache is donated: XLA updates it in place.
+see step_shapes.py), and the sampling, once per row count and sampling variant. Both compile at warm-up, into
+tables keyed by their input layouts (step_programs.py), so a compilation after warm-up is counted and logged, never
+silent. The KV cache is donated: XLA updates it in place.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +25,8 @@ from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.rounding import cdiv
 from jpaged.runner.device_step import bind_prompt_logprobs, bind_step, copy_blocks, scatter_blocks
-from jpaged.runner.executable_cache import step_cache
 from jpaged.runner.kv_transfer import HostSwapSpace
-from jpaged.runner.packed_inputs import PackedLayout, pack
+from jpaged.runner.packed_inputs import pack
 from jpaged.runner.sampling_inputs import (
     SamplingRow,
     SamplingTensors,
@@ -40,6 +37,7 @@ from jpaged.runner.sampling_inputs import (
 )
 from jpaged.runner.step_batch import PreparedStep, StepSchedule, dummy_batch, pad_batch
 from jpaged.runner.step_output import PendingOutput
+from jpaged.runner.step_programs import ProgramInputs, StepPrograms
 from jpaged.runner.step_shapes import StepShapes
 from jpaged.runner.tensor_parallel import (
     kv_head_copies,
@@ -130,18 +128,26 @@ class ModelRunner:
             branch_free=self.branch_free,
             logits_sharding=self._logits_sharding,
         )
-        self._forward = jax.jit(step.forward, static_argnames=("layout",), donate_argnums=(1,))
-        self._sample = jax.jit(step.sample, static_argnames=("layout",), donate_argnums=(1,))
-        self._prompt_logprobs = jax.jit(bind_prompt_logprobs(self.graphdef, products))
-        self._prompt_programs: dict[int, Callable] = {}  # tokens T -> compiled prompt_logprobs
-        self._saved = step_cache(config.compilation_cache_dir)
-        self._compiled: dict = {}  # the batch's PackedLayout -> compiled forward
-        self._sample_programs: dict = {}  # (sampling tensors' PackedLayout, history width) -> compiled sampling
+        inputs = ProgramInputs.of(
+            self.params,
+            self.kv_cache,
+            self.last_tokens,
+            self._neutral_wide,
+            self._logits_sharding,
+            jax.ShapeDtypeStruct((1, model_config.hidden_size), self.dtype, sharding=replicated),
+            model_config.vocab_size,
+        )
+        self.programs = StepPrograms(
+            jax.jit(step.forward, static_argnames=("layout",), donate_argnums=(1,)),
+            jax.jit(step.sample, static_argnames=("layout",), donate_argnums=(1,)),
+            jax.jit(bind_prompt_logprobs(self.graphdef, products)),
+            inputs,
+            config.compilation_cache_dir,
+            (repr(model_config), self.attention_impl, self.branch_free),
+        )
         self._not_run: dict = {}  # warm-up shapes never run yet -> their dummy (batch, sampling); see warmup
         # The dispatched forward's (logits, prompt logprobs), until `sample` takes them.
         self._forwarded = None
-        self.num_compilations = 0
-        self.warmed_up = False
         self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=0)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
         self._copy_programs: dict = {}  # rows -> compiled copy_blocks
@@ -165,12 +171,13 @@ class ModelRunner:
         """Start the step's forward (and its prompt logprobs) on the device and return at once (JAX dispatches
         asynchronously): the host builds the sampling inputs meanwhile, for `sample`, which must come next."""
         packed, layout = pack(step.batch)
-        compiled = self._compiled_for(layout)
+        self._not_run.pop(layout, None)
+        compiled = self.programs.forward(layout)
         self.kv_cache, logits, hidden = compiled(self.params, self.kv_cache, self.last_tokens, packed)
         prompt = None
         if step.prompt_targets is not None:
             num_tokens = np.array([step.batch.query_start[step.batch.num_seqs[0]]], np.int32)
-            program = self._prompt_program(len(step.prompt_targets))
+            program = self.programs.prompt(len(step.prompt_targets))
             prompt = program(self.params, hidden, step.prompt_targets, num_tokens)
         self._forwarded = (logits, prompt)
 
@@ -186,7 +193,7 @@ class ModelRunner:
             raise RuntimeError("sample() needs a forward() dispatched before it")
         (logits, prompt), self._forwarded = self._forwarded, None
         packed, layout, wide = self._sampling_inputs(sampling)
-        program = self._sample_program(layout, logits.shape[0], wide["history"].shape[1])
+        program = self.programs.sample(layout, wide["history"].shape[1])
         self.last_tokens, sampled = program(logits, self.last_tokens, packed, wide)
         return PendingOutput(sampled, prompt)
 
@@ -198,95 +205,9 @@ class ModelRunner:
         neutral = self._neutral_wide[sampling.temperature.shape[0]]
         return packed, layout, {name: neutral[name] if v is None else v for name, v in wide.items()}
 
-    def _compiled_for(self, layout: PackedLayout):
-        self._not_run.pop(layout, None)
-        return self._program(
-            self._compiled,
-            layout,
-            lambda: f"a new step shape: {_shapes(layout)}",
-            lambda: self._compile_forward(layout),
-        )
-
-    def _sample_program(self, layout: PackedLayout, num_rows: int, history_width: int):
-        return self._program(
-            self._sample_programs,
-            (layout, history_width),
-            lambda: f"a new sampling shape (history {history_width}): {_shapes(layout)}",
-            lambda: self._compile_sample(layout, num_rows, history_width),
-        )
-
-    def _program(self, table: dict, key, describe: Callable[[], str], compile_fn: Callable):
-        """`table[key]`, compiled (and counted) on a miss: a miss after warm-up is logged, naming `describe()`."""
-        program = table.get(key)
-        if program is None:
-            if self.warmed_up:
-                logger.warning("compiling %s after warm-up", describe())
-            program = table[key] = compile_fn()
-            self.num_compilations += 1
-        return program
-
-    def _compile_forward(self, layout: PackedLayout):
-        """The forward for a batch of this layout: loaded from the executable cache, else traced, lowered and
-        compiled."""
-        packed = _zeros_for(layout)
-        args = (self.params, self.kv_cache, self.last_tokens, packed)
-        key = self._cache_key(args, "forward", str(layout.treedef), layout.arrays)
-        return self._saved.get_or_compile(key, lambda: self._forward.lower(*args, layout=layout).compile())
-
-    def _compile_sample(self, layout: PackedLayout, num_rows: int, history_width: int):
-        """The sampling for tensors of this layout (`num_rows` rows, a history this wide), of the forward's
-        float32 logits."""
-        shape = (num_rows, self.model_config.vocab_size)
-        logits = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._logits_sharding)
-        wide = dict(self._neutral_wide[num_rows])
-        history = wide["history"]
-        wide["history"] = jax.ShapeDtypeStruct(
-            (num_rows, history_width), history.dtype, sharding=history.sharding
-        )
-        args = (logits, self.last_tokens, _zeros_for(layout), wide)
-        key = self._cache_key(args, "sample", str(layout.treedef), layout.arrays, self.branch_free)
-        return self._saved.get_or_compile(key, lambda: self._sample.lower(*args, layout=layout).compile())
-
-    def _cache_key(self, args, *extra) -> tuple:
-        """What an executable depends on: its arguments' tree, shapes, dtypes and shardings, the model, the
-        attention implementation, and `extra`."""
-        leaves = [
-            (np.shape(x), str(x.dtype), str(getattr(x, "sharding", "")))
-            for x in jax.tree_util.tree_leaves(args)
-        ]
-        return (
-            str(jax.tree_util.tree_structure(args)),
-            leaves,
-            *extra,
-            repr(self.model_config),
-            self.attention_impl,
-        )
-
-    def _prompt_program(self, num_tokens: int):
-        """The compiled prompt_logprobs for steps of `num_tokens` tokens (warm-up compiles one per token size)."""
-        return self._program(
-            self._prompt_programs,
-            num_tokens,
-            lambda: f"prompt logprobs for {num_tokens} tokens",
-            lambda: self._compile_prompt_program(num_tokens),
-        )
-
-    def _compile_prompt_program(self, num_tokens: int):
-        replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh else None
-        shape = (num_tokens, self.model_config.hidden_size)
-        hidden = jax.ShapeDtypeStruct(shape, self.dtype, sharding=replicated)
-        args = (self.params, hidden, np.zeros(num_tokens, np.int32), np.zeros(1, np.int32))
-        key = self._cache_key(args, "prompt_logprobs")
-        return self._saved.get_or_compile(key, lambda: self._prompt_logprobs.lower(*args).compile())
-
-    def compiled_step_texts(self, num_tokens: int | None = None) -> list[str]:
-        """The optimised HLO of every step compiled so far, or of those of `num_tokens` tokens (what tests and
-        benchmarks read collectives and loops from)."""
-        return [
-            compiled.as_text()
-            for layout, compiled in self._compiled.items()
-            if num_tokens is None or layout.arrays[0][0] == (num_tokens,)  # the batch's token_ids come first
-        ]
+    @property
+    def num_compilations(self) -> int:
+        return self.programs.num_compilations
 
     # ---- warm-up ----
 
@@ -313,34 +234,20 @@ class ModelRunner:
         steps = [
             PreparedStep(dummy_batch(t, s, self.max_blocks_per_seq)) for t, s in self.shapes.all_shapes()
         ]
-        with (
-            ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
-            tqdm(total=len(steps), desc="warm-up (compiling step shapes)", disable=not progress) as bar,
-        ):
-            sample_futures = {
-                (layout, width): pool.submit(self._compile_sample, layout, num_rows, width)
-                for num_rows, variants in sampling.items()
+        layouts = [pack(step.batch)[1] for step in steps]
+        self.programs.compile_all(
+            layouts,
+            [
+                (layout, width)
+                for variants in sampling.values()
                 for layout in (self._sampling_inputs(tensors)[1] for tensors in variants)
                 for width in self.sampling_widths.history_widths
-            }
-            forward_futures = [
-                (step, layout, pool.submit(self._compile_forward, layout))
-                for step, layout in ((step, pack(step.batch)[1]) for step in steps)
-            ]
-            prompt_futures = {
-                t: pool.submit(self._compile_prompt_program, t) for t in self.shapes.token_sizes
-            }
-            for step, layout, future in forward_futures:
-                self._compiled[layout] = future.result()
-                self._not_run[layout] = (step, sampling[step.num_rows][0])
-                self.num_compilations += 1
-                bar.update(1)
-            for key, future in sample_futures.items():
-                self._sample_programs[key] = future.result()
-                self.num_compilations += 1
-            for num_tokens, future in prompt_futures.items():
-                self._prompt_programs[num_tokens] = future.result()
-                self.num_compilations += 1
+            ],
+            self.shapes.token_sizes,
+            progress,
+        )
+        for step, layout in zip(steps, layouts, strict=True):
+            self._not_run[layout] = (step, sampling[step.num_rows][0])
         for rows in self.copy_sizes:
             self._copy_program(rows)
         compiled_in = time.perf_counter() - start
@@ -348,7 +255,7 @@ class ModelRunner:
         decode_sized = [(p, t) for p, t in self._not_run.values() if p.batch.token_ids.shape[0] <= limit]
         for step, tensors in tqdm(decode_sized, desc="warm-up (first runs)", disable=not progress):
             self.dispatch(step, tensors).result()
-        self.warmed_up = True
+        self.programs.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info(
             "warm-up: %d step programs compiled (or loaded) in %.1f s, %d decode shapes run once in %.1f s",
@@ -441,10 +348,7 @@ class ModelRunner:
         program = self._copy_programs.get(rows)
         if program is None:
             copies = np.zeros((rows, 2), np.int32)
-            key = ("copy_blocks", rows, [(np.shape(x), str(x.dtype), str(x.sharding)) for x in self.kv_cache])
-            program = self._saved.get_or_compile(
-                key, lambda: self._copy_blocks.lower(self.kv_cache, copies).compile()
-            )
+            program = self.programs.compile(self._copy_blocks, (self.kv_cache, copies), "copy_blocks")
             self._copy_programs[rows] = program
         return program
 
@@ -459,15 +363,6 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
         self.kv_cache = self._scatter_blocks(self.kv_cache, np.asarray(block_ids, np.int32), k, v)
-
-
-def _shapes(layout: PackedLayout) -> list[tuple[int, ...]]:
-    return [shape for shape, _, _ in layout.arrays]
-
-
-def _zeros_for(layout: PackedLayout) -> np.ndarray:
-    """A packed buffer of this layout (what a program is lowered for: only its shape counts)."""
-    return np.zeros(sum(int(np.prod(shape)) for shape, _, _ in layout.arrays), np.int32)
 
 
 def attention_for(config: EngineConfig, model_config: ModelConfig, impl: str, dtype) -> Callable:
