@@ -136,18 +136,37 @@ def place_restored(params: dict, shardings: dict, columns: dict) -> dict:
 def _regroup_columns(
     leaf: jax.Array, source: np.ndarray, sharding: NamedSharding, axis: int | None
 ) -> jax.Array:
-    """leaf[..., source] with `sharding` (its last axis split), from `leaf` split along `axis` (None: replicated)."""
+    """leaf[..., source] with `sharding` (its last axis split), from the stacked `leaf` split along `axis` (None:
+    replicated). Split, it is regrouped a layer of each device's block at a time into the donated result, so
+    besides the block and the result only one layer's columns are in flight (the whole block at once cost a
+    block-sized copy more, bench_load.py)."""
     if axis is None:  # each device picks its own columns from its whole copy
         return jax.jit(lambda w: jnp.take(w, source, axis=-1), out_shardings=sharding)(leaf)
-
-    def regroup(block: jax.Array) -> jax.Array:
-        picked = jnp.take(block, source, axis=-1)
-        return jax.lax.all_to_all(picked, AXIS, split_axis=picked.ndim - 1, concat_axis=axis, tiled=True)
-
     mesh = sharding.mesh
-    return jax.jit(jax.shard_map(regroup, mesh=mesh, in_specs=leaf.sharding.spec, out_specs=sharding.spec))(
-        leaf
+    size = mesh.shape[AXIS]
+    local_layers = leaf.shape[0] // size if axis == 0 else leaf.shape[0]
+
+    def regroup_layer(out: jax.Array, block: jax.Array, j: jax.Array) -> jax.Array:
+        picked = jnp.take(jax.lax.dynamic_index_in_dim(block, j, keepdims=True), source, axis=-1)
+        moved = jax.lax.all_to_all(picked, AXIS, split_axis=picked.ndim - 1, concat_axis=axis, tiled=True)
+        if axis == 0:  # device d's layer j is the stack's layer d * local_layers + j
+            return out.at[jnp.arange(size) * local_layers + j].set(moved)
+        return jax.lax.dynamic_update_index_in_dim(out, moved[0], j, 0)
+
+    step = jax.jit(
+        jax.shard_map(
+            regroup_layer,
+            mesh=mesh,
+            in_specs=(sharding.spec, leaf.sharding.spec, P()),
+            out_specs=sharding.spec,
+        ),
+        donate_argnums=0,
     )
+    shape = (*leaf.shape[:-1], len(source))
+    out = jax.jit(lambda: jnp.zeros(shape, leaf.dtype), out_shardings=sharding)()
+    for j in range(local_layers):
+        out = step(out, leaf, np.int32(j))
+    return out
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:
