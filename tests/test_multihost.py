@@ -1,8 +1,8 @@
 """One engine over two processes: jax.distributed on localhost with the CPU backend, two simulated devices in each,
 tensor_parallel_size 4 over all four. Process 0 decides every step and the follower repeats its device actions:
 the tokens (and the engine's features) are those of one process, from the Python API and over HTTP (from an orbax
-checkpoint, whose restore waits for every process), each process holds only its devices' shards, and a
-follower's death turns /health unhealthy."""
+checkpoint, whose restore waits for every process), each process holds only its devices' shards, a follower's
+death turns /health unhealthy, and process 0's death stops the follower."""
 
 from __future__ import annotations
 
@@ -168,3 +168,12 @@ def test_the_pair_serves_http_from_process_zero_and_a_lost_follower_turns_health
     health = httpx.get(f"{base_url}/health", timeout=5)
     assert "follower process went away" in health.json()["error"]["message"]
     assert leader.poll() is None  # unhealthy, not hung or gone: the probe and the logs say why
+
+
+def test_a_lost_process_zero_stops_the_follower_instead_of_hanging(serving_pair):
+    """The follower cannot go on without the process that decides every step: JAX's coordination service (process
+    0 hosts it) ends it, or its control socket closing does."""
+    _, leader, follower = serving_pair
+    leader.send_signal(signal.SIGKILL)
+    leader.wait()
+    assert follower.wait(timeout=120) != 0  # the timeout only catches a hang: it ends within a few seconds
