@@ -75,13 +75,17 @@ def attention_runs(targets, args, rng):
     def make(target):
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
 
-        def layer(i, x):
-            return call(
-                x, k, v, i.reshape(1), kv_lens, tables, query_start, num_seqs,
-                sm_scale=np.float32(head_dim**-0.5), sliding_window=np.int32(0), soft_cap=np.float32(0.0),
-            )  # fmt: skip
+        def run(q, k, v):
+            def layer(i, x):
+                return call(
+                    x, k, v, i.reshape(1), kv_lens, tables, query_start, num_seqs,
+                    sm_scale=np.float32(head_dim**-0.5), sliding_window=np.int32(0), soft_cap=np.float32(0.0),
+                )  # fmt: skip
 
-        return jax.jit(lambda q: jax.lax.fori_loop(0, num_layers, layer, q)), (q,)
+            return jax.lax.fori_loop(0, num_layers, layer, q)
+
+        # The pools are arguments: captured by the function, they would be folded into it as constants.
+        return jax.jit(run), (q, k, v)
 
     label = f"{args.seqs} x {args.context}, {num_layers} layers, heads {num_heads}/{num_kv_heads}x{head_dim}"
     return [(f"{label}, {args.dtype}", [make(t) for t in targets])]
@@ -100,13 +104,16 @@ def matmul_runs(targets, args, rng):
             call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((h.shape[0], n), h.dtype))
             return call(h, panels, i.reshape(1), jnp.array([h.shape[0]], jnp.int32))
 
-        def layer(i, x):
-            h = x
-            for (k, n), panels in zip(MATMUL_SHAPES, stacks, strict=True):
-                h = product(h[:, :k], panels, n, i)
-            return x + (1e-3 * h[:, : x.shape[1]]).astype(x.dtype)
+        def run(x, stacks):
+            def layer(i, x):
+                h = x
+                for (k, n), panels in zip(MATMUL_SHAPES, stacks, strict=True):
+                    h = product(h[:, :k], panels, n, i)
+                return x + (1e-3 * h[:, : x.shape[1]]).astype(x.dtype)
 
-        return jax.jit(lambda x: jax.lax.fori_loop(0, NUM_LAYERS, layer, x)), (x,)
+            return jax.lax.fori_loop(0, NUM_LAYERS, layer, x)
+
+        return jax.jit(run), (x, stacks)  # the weights as arguments, as in the engine
 
     runs = []
     for rows in map(int, args.rows.split(",")):
