@@ -1,0 +1,114 @@
+"""Where a whole `LLM.generate` spends its device time: one run of compare.sh's workload under `jax.profiler`, the
+trace's thunk events summed per kind, prefill steps apart from decode steps.
+
+The forward program's five per-layer custom calls are told apart by their order in a layer (QKV, attention, O,
+gate/up, down); the one custom call a step makes once is the LM head; everything else is XLA's own ops. A step
+whose custom calls take over `--long-ms` is counted as prefill. The profiler slows the run, so read the shares.
+
+  python scripts/profile_generate.py                      # workload (a): 64 x 128 ids in, 128 out, float32
+  python scripts/profile_generate.py --dtype bfloat16 --mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jpaged  # noqa: E402
+
+LAYER_CALLS = ("QKV", "attention", "O", "gate/up", "down")
+
+
+def workload(mixed: bool) -> tuple[list[list[int]], list[int]]:
+    """compare.sh's workloads (../shared/bench/peers.py, seed 0): 64 x 128 random ids (special tokens and the
+    vocabulary's tail avoided); 128 tokens out, or 16..256 with --mixed."""
+    rng = random.Random((2 if mixed else 1) * 7919)
+    prompts = [[rng.randrange(100, 49000) for _ in range(128)] for _ in range(64)]
+    lengths = random.Random(1000)
+    return prompts, [lengths.randint(16, 256) if mixed else 128 for _ in prompts]
+
+
+def thunk_events(trace_dir: str) -> dict[tuple[str, str], list[dict]]:
+    """The trace's complete events of XLA's thunks, by (program, run)."""
+    path = next(Path(trace_dir).rglob("*.trace.json.gz"))
+    with gzip.open(path) as trace:
+        events = json.load(trace)["traceEvents"]
+    runs = collections.defaultdict(list)
+    for event in events:
+        args = event.get("args") or {}
+        if event.get("ph") == "X" and "hlo_module" in args:
+            runs[(args["hlo_module"], args["run_id"])].append(event)
+    return runs
+
+
+def kinds(events: list[dict]) -> collections.Counter:
+    """Microseconds per kind of one program run."""
+    calls = collections.Counter(e["name"] for e in events if e["name"].startswith("ffi_call"))
+    first = {name: min(e["ts"] for e in events if e["name"] == name) for name in calls}
+    per_layer = sorted((name for name, count in calls.items() if count > 1), key=first.get)
+    names = dict(zip(per_layer, LAYER_CALLS, strict=False))
+    spent = collections.Counter()
+    for e in events:
+        if e["name"].startswith("ffi_call"):
+            spent[names.get(e["name"], "LM head")] += e["dur"]
+        else:
+            spent["XLA ops"] += e["dur"]
+    return spent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--mixed", action="store_true", help="workload (b): 16..256 tokens out")
+    parser.add_argument(
+        "--long-ms", type=float, default=500.0, help="custom-call time that makes a prefill step"
+    )
+    args = parser.parse_args()
+
+    llm = jpaged.LLM(max_model_len=2048, dtype=args.dtype)
+    prompts, lengths = workload(args.mixed)
+
+    def params(n: int) -> jpaged.SamplingParams:
+        return jpaged.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    llm.generate(prompts[:4], [params(16)] * 4)  # as compare.sh warms up
+    with tempfile.TemporaryDirectory() as trace_dir:
+        start = time.perf_counter()
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            llm.generate(prompts, [params(n) for n in lengths])
+        wall = time.perf_counter() - start
+        runs = thunk_events(trace_dir)
+
+    totals: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    steps = collections.Counter()
+    for (program, _), events in runs.items():
+        spent = kinds(events)
+        custom = sum(us for kind, us in spent.items() if kind != "XLA ops")
+        phase = "sampling" if "sample" in program else "prefill" if custom > args.long_ms * 1e3 else "decode"
+        totals[phase] += spent
+        steps[phase] += 1
+    print(f"{jax.devices()[0].device_kind}, {args.dtype}: {sum(lengths)} tokens out in {wall:.1f} s (traced)")
+    print("| phase | programs run | kind | s | share of device time |")
+    print("|---|---|---|---|---|")
+    device = sum(sum(spent.values()) for spent in totals.values())
+    for phase, spent in totals.items():
+        for kind, us in spent.most_common():
+            print(f"| {phase} | {steps[phase]} | {kind} | {us / 1e6:.2f} | {us / device:.0%} |")
+    print("\ncommand: python scripts/profile_generate.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
