@@ -52,6 +52,20 @@ def thunk_events(trace_dir: str) -> dict[tuple[str, str], list[dict]]:
     return runs
 
 
+def xla_ops(events: list[dict]) -> collections.Counter:
+    """Microseconds per XLA thunk of one program run (its custom calls left out), by HLO name."""
+    return collections.Counter(
+        {name: us for name, us in _by_name(events).items() if not name.startswith("ffi_call")}
+    )
+
+
+def _by_name(events: list[dict]) -> collections.Counter:
+    spent = collections.Counter()
+    for e in events:
+        spent[e["name"]] += e["dur"]
+    return spent
+
+
 def kinds(events: list[dict]) -> collections.Counter:
     """Microseconds per kind of one program run."""
     calls = collections.Counter(e["name"] for e in events if e["name"].startswith("ffi_call"))
@@ -76,6 +90,9 @@ def main() -> None:
     parser.add_argument(
         "--long-ms", type=float, default=500.0, help="custom-call time that makes a prefill step"
     )
+    parser.add_argument(
+        "--ops", type=int, default=0, help="also list this many of XLA's costliest ops per phase"
+    )
     args = parser.parse_args()
 
     llm = jpaged.LLM(max_model_len=2048, dtype=args.dtype)
@@ -94,11 +111,13 @@ def main() -> None:
 
     totals: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     steps = collections.Counter()
+    ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for (program, _), events in runs.items():
         spent = kinds(events)
         custom = sum(us for kind, us in spent.items() if kind != "XLA ops")
         phase = "sampling" if "sample" in program else "prefill" if custom > args.long_ms * 1e3 else "decode"
         totals[phase] += spent
+        ops[phase] += xla_ops(events)
         steps[phase] += 1
     print(f"{jax.devices()[0].device_kind}, {args.dtype}: {sum(lengths)} tokens out in {wall:.1f} s (traced)")
     print("| phase | programs run | kind | s | share of device time |")
@@ -107,6 +126,9 @@ def main() -> None:
     for phase, spent in totals.items():
         for kind, us in spent.most_common():
             print(f"| {phase} | {steps[phase]} | {kind} | {us / 1e6:.2f} | {us / device:.0%} |")
+    for phase, spent in ops.items():
+        for name, us in spent.most_common(args.ops):
+            print(f"{phase}: {name} {us / 1e6:.2f} s")
     print("\ncommand: python scripts/profile_generate.py " + " ".join(sys.argv[1:]))
 
 
