@@ -9,6 +9,7 @@ DEFAULT = StepShapes(max_num_batched_tokens=512, max_num_seqs=64)
 
 def test_ladder_has_midpoints_from_16_and_ends_at_the_limit():
     assert ladder(16, 64, midpoints=True) == (16, 24, 32, 48, 64)
+    assert ladder(4, 64, midpoints=True) == (4, 8, 16, 24, 32, 48, 64)
     assert ladder(8, 64, midpoints=False) == (8, 16, 32, 64)
     assert ladder(16, 100, midpoints=False) == (16, 32, 64, 100)
     assert ladder(16, 8, midpoints=True) == (8,)
@@ -16,7 +17,7 @@ def test_ladder_has_midpoints_from_16_and_ends_at_the_limit():
 
 def test_default_shapes():
     assert DEFAULT.all_shapes() == [
-        (16, 8), (16, 16), (24, 8), (24, 24), (32, 8), (32, 32), (48, 8), (48, 48), (64, 8), (64, 64),
+        (4, 8), (8, 8), (16, 8), (16, 16), (24, 8), (24, 24), (32, 8), (32, 32), (48, 8), (48, 48), (64, 8), (64, 64),
         (128, 8), (128, 16), (128, 32), (128, 64), (256, 8), (256, 16), (256, 32), (256, 64),
         (512, 8), (512, 16), (512, 32), (512, 64),
     ]  # fmt: skip
@@ -30,7 +31,8 @@ def test_a_decode_pads_at_most_a_third_beyond_16(num_seqs):
 
 
 def test_a_lone_sequence_gets_the_smallest_shape():
-    assert DEFAULT.shape_for(1, 1) == (16, 8)
+    assert DEFAULT.shape_for(1, 1) == (4, 8)
+    assert DEFAULT.shape_for(5, 5) == (8, 8)
     assert DEFAULT.shape_for(40, 1) == (48, 8)  # a short prompt chunk
 
 
@@ -44,6 +46,7 @@ def test_rows_beyond_tokens_grow_the_shape():
     """A 5-token prompt forking into 20 parallel samples needs 20 sampled rows."""
     tokens, seqs = DEFAULT.shape_for(5, 20)
     assert seqs >= 20 and tokens == seqs
+    assert DEFAULT.shape_for(2, 6) == (8, 8)  # never fewer tokens than rows
 
 
 @pytest.mark.parametrize(
@@ -58,7 +61,7 @@ def test_every_step_pads_to_a_shape_warm_up_compiles(max_tokens, max_seqs):
                 continue  # only forks make more rows than tokens; checked above
             tokens, seqs = shapes.shape_for(num_tokens, num_rows)
             assert (tokens, seqs) in compiled
-            assert tokens >= num_tokens and seqs >= num_rows
+            assert tokens >= max(num_tokens, min(num_rows, 8)) and seqs >= num_rows
             assert tokens <= max_tokens and seqs <= max_seqs
 
 

@@ -214,7 +214,10 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array, layer: jax.Array, step: StepContext) -> jax.Array:
         gate_up = step.matmul("gate_up", self.gate_up, x, layer)
         gate, up = split_fused(gate_up, self.sizes, step.products.fused_groups)
-        return step.matmul("down", self.down, jax.nn.silu(gate) * up, layer)
+        # SiLU in float32, rounded once, as torch's does for bfloat16: XLA's bfloat16 SiLU rounds after every op,
+        # each rounding a conversion of its own on CPU.
+        act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
+        return step.matmul("down", self.down, act * up, layer)
 
 
 class DecoderLayer(nnx.Module):

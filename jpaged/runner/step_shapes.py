@@ -2,25 +2,29 @@
 
 Decode steps (one token per sequence, T = number of sequences) are most of a busy engine's steps, and padding them
 is paid in every matmul. So steps of up to `max_num_seqs` tokens use T = S on a ladder of powers of two and the
-midpoints between them (16, 24, 32, 48, 64, ...): a decode pads at most a third, not up to a half. A step of at most
-8 sequences keeps S = 8 there, so a lone request pays no padded attention rows. Bigger steps (prefill chunks)
-use powers of two for both, the largest being the configured limits themselves.
+midpoints between them from 16 (4, 8, 16, 24, 32, 48, 64, ...): a decode beyond 16 pads at most a third, not up to
+a half. A step of at most 8 sequences keeps S = 8, so a lone request pays no padded attention rows, and T as small
+as 4: the matrix kernels skip padded rows, but XLA's own ops (norms, SiLU, RoPE, residuals) do not, and over 16
+padded rows they cost a lone request's bfloat16 decode step ~8% (README). Bigger steps (prefill chunks) use
+powers of two for both, the largest being the configured limits themselves.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-MIN_TOKENS = 16
+MIN_TOKENS = 4
+MIDPOINTS_FROM = 16
 MIN_SEQS = 8
 
 
 def ladder(smallest: int, largest: int, *, midpoints: bool) -> tuple[int, ...]:
-    """smallest, 2 * smallest, ... (with 1.5x points between when `midpoints`), then `largest` itself."""
+    """smallest, 2 * smallest, ... (with 1.5x points between from MIDPOINTS_FROM when `midpoints`), then `largest`
+    itself."""
     sizes, size = [], min(smallest, largest)
     while size < largest:
         sizes.append(size)
-        if midpoints and size >= MIN_TOKENS and size + size // 2 < largest:
+        if midpoints and size >= MIDPOINTS_FROM and size + size // 2 < largest:
             sizes.append(size + size // 2)
         size *= 2
     return (*sizes, largest)
@@ -60,17 +64,15 @@ class StepShapes:
         tokens = _smallest_at_least(self.token_sizes, max(num_tokens, 1))
         if tokens > self.max_num_seqs:
             return tokens, _smallest_at_least(self.seq_sizes, max(num_rows, 1))
-        if num_rows <= self.min_seqs:
-            return tokens, self.min_seqs
         tokens = _smallest_at_least(self.token_sizes, max(num_tokens, num_rows))
-        return tokens, tokens
+        return tokens, self.min_seqs if num_rows <= self.min_seqs else tokens
 
     def all_shapes(self) -> list[tuple[int, int]]:
         """Every (T, S) that `shape_for` can answer: what warm-up compiles."""
         shapes = []
         for tokens in self.token_sizes:
             if tokens <= self.max_num_seqs:
-                shapes += sorted({(tokens, self.min_seqs), (tokens, tokens)})
+                shapes += sorted({(tokens, self.min_seqs), (tokens, max(tokens, self.min_seqs))})
             else:
                 shapes += [(tokens, seqs) for seqs in self.seq_sizes]
         return shapes
