@@ -1,5 +1,5 @@
 """Where a whole `LLM.generate` spends its device time: one run of compare.sh's workload under `jax.profiler`, the
-trace's thunk events summed per kind, prefill steps apart from decode steps.
+trace's thunk events summed per kind (each less the thunks nested in it), prefill steps apart from decode steps.
 
 The forward program's five per-layer custom calls are told apart by their order in a layer (QKV, attention, O,
 gate/up, down); the one custom call a step makes once is the LM head; everything else is XLA's own ops. A step
@@ -52,17 +52,30 @@ def thunk_events(trace_dir: str) -> dict[tuple[str, str], list[dict]]:
     return runs
 
 
+def self_times(events: list[dict]) -> list[tuple[str, float]]:
+    """(name, microseconds) per event less the events nested in it: a while or conditional thunk's event spans
+    the thunks it runs, which have events of their own."""
+    spent = {id(e): e["dur"] for e in events}
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        by_thread[e["tid"]].append(e)
+    for thread in by_thread.values():
+        open_events: list[dict] = []
+        for e in sorted(thread, key=lambda e: (e["ts"], -e["dur"])):
+            while open_events and open_events[-1]["ts"] + open_events[-1]["dur"] <= e["ts"]:
+                open_events.pop()
+            if open_events:
+                spent[id(open_events[-1])] -= e["dur"]
+            open_events.append(e)
+    return [(e["name"], spent[id(e)]) for e in events]
+
+
 def xla_ops(events: list[dict]) -> collections.Counter:
     """Microseconds per XLA thunk of one program run (its custom calls left out), by HLO name."""
-    return collections.Counter(
-        {name: us for name, us in _by_name(events).items() if not name.startswith("ffi_call")}
-    )
-
-
-def _by_name(events: list[dict]) -> collections.Counter:
     spent = collections.Counter()
-    for e in events:
-        spent[e["name"]] += e["dur"]
+    for name, us in self_times(events):
+        if not name.startswith("ffi_call"):
+            spent[name] += us
     return spent
 
 
@@ -73,11 +86,8 @@ def kinds(events: list[dict]) -> collections.Counter:
     per_layer = sorted((name for name, count in calls.items() if count > 1), key=first.get)
     names = dict(zip(per_layer, LAYER_CALLS, strict=False))
     spent = collections.Counter()
-    for e in events:
-        if e["name"].startswith("ffi_call"):
-            spent[names.get(e["name"], "LM head")] += e["dur"]
-        else:
-            spent["XLA ops"] += e["dur"]
+    for name, us in self_times(events):
+        spent[names.get(name, "LM head") if name.startswith("ffi_call") else "XLA ops"] += us
     return spent
 
 
