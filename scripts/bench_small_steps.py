@@ -1,4 +1,4 @@
-"""Decode time per token of a few concurrent requests, engines whose smallest token bucket differs, in turns.
+"""Decode time per step of a few concurrent requests, engines whose smallest token bucket differs, in turns.
 
 A decode step of N requests pads its N tokens up to a compiled bucket (jpaged/runner/step_shapes.py). The matrix
 kernels skip the padded rows; XLA's own ops (norms, SiLU, RoPE, residuals, the KV write) do not. This runs one
@@ -37,7 +37,7 @@ def engine(min_tokens: int, dtype: str, max_streams: int) -> jpaged.LLM:
         step_shapes.MIN_TOKENS = default
 
 
-def decode_ms_per_token(llm: jpaged.LLM, prompts: list[list[int]], tokens: int) -> float:
+def decode_ms_per_step(llm: jpaged.LLM, prompts: list[list[int]], tokens: int) -> float:
     def run(n: int) -> float:
         params = jpaged.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()
@@ -63,12 +63,12 @@ def main() -> None:
     engines = {size: engine(size, args.dtype, max(streams)) for size in sizes}
     prompts, _ = workload(mixed=False)
     for llm in engines.values():
-        decode_ms_per_token(llm, prompts[:1], 4)  # the first runs of each program
+        decode_ms_per_step(llm, prompts[:1], 4)  # the first runs of each program
     times = {(n, size): [] for n in streams for size in sizes}
     for _ in range(args.rounds):
         for n in streams:
             for size, llm in engines.items():
-                times[(n, size)].append(decode_ms_per_token(llm, prompts[:n], args.tokens))
+                times[(n, size)].append(decode_ms_per_step(llm, prompts[:n], args.tokens))
     print(f"{args.dtype}, {args.tokens} decode tokens, median of {args.rounds} rounds in turns")
     print("| streams | smallest bucket | decode ms / step | rounds |")
     print("|---|---|---|---|")
