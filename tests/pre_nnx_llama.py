@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jpaged.models.batch import KVCache, StepBatch
 from jpaged.models.config import ModelConfig
-from jpaged.models.llama import rope_inv_freq
+from jpaged.models.rope import rope_inv_freq
 
 
 def flat_params(params: dict) -> dict:

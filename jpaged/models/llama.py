@@ -26,19 +26,18 @@ weights in (the stacks above, `StackedProducts`, unless it chose another, e.g. t
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jpaged.models.batch import KVCache, StepBatch
 from jpaged.models.config import ModelConfig
 from jpaged.models.fused_columns import fused_sizes, group_fused_columns, split_fused
+from jpaged.models.rope import cos_sin, rotate
 
 # Logical axis names of the weights: tensor parallelism maps them onto mesh axes.
 VOCAB, EMBED, QKV, HEADS, MLP, HEAD_DIM, LAYERS = (
@@ -185,7 +184,7 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, step.cos, step.sin), _rotate(k, step.cos, step.sin)
+        q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
         k_cache = k_cache.at[layer, step.write_block, step.write_offset].set(as_stored(k, k_cache.dtype))
         v_cache = v_cache.at[layer, step.write_block, step.write_offset].set(as_stored(v, v_cache.dtype))
         attn = step.attention(
@@ -282,12 +281,9 @@ class CausalLM(nnx.Module):
         c = self.config
         dtype = self.final_norm.weight[...].dtype
         block_size = kv_cache.k.shape[2]
-        angles = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
-        angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
         step = StepContext(
             batch,
-            jnp.cos(angles).astype(dtype),
-            jnp.sin(angles).astype(dtype),
+            *cos_sin(batch.positions, c, dtype),
             batch.slot_mapping // block_size,
             batch.slot_mapping % block_size,
             batch.query_start[batch.num_seqs[0]],
@@ -374,30 +370,3 @@ def init_kv_cache(
     values in the slots it masks)."""
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     return KVCache(allocate(shape, dtype), allocate(shape, dtype))
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Rotary inverse frequencies [Dh / 2], with linear or llama3 (Llama 3.1) scaling as in transformers."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = config.rope_scaling_dict
-    if not scaling:
-        return inv_freq.astype(np.float32)
-    factor = scaling["factor"]
-    if scaling["rope_type"] == "linear":
-        return (inv_freq / factor).astype(np.float32)
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """transformers' rotate-half RoPE on [T, H, Dh] with cos/sin [T, 1, Dh]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return (x * cos + rotated * sin).astype(x.dtype)
