@@ -78,6 +78,7 @@ CONFIGS = [
     Config("cpu", "float32", 32, 8, 1, 64, DECODE),  # 128 KB blocks: not streamed in whole first
     CPU_BF16,
     Config("cpu", "bfloat16", 32, 4, 1, 64, DECODE, sliding_window=40, soft_cap=2.0),
+    Config("cpu", "bfloat16", 16, 2, 3, 40, DECODE),  # query heads in threes, D=40: a partial 32-float chunk
     GPU_F32,
     Config("gpu", "float32", 32, 3, 3, 32, DECODE),
     Config("gpu", "float32", 16, 2, 1, 24, PREFILL, sliding_window=40),  # D=24: lanes padded to 32

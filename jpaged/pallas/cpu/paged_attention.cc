@@ -7,6 +7,7 @@
 // XLA's CPU threads; each item's arithmetic depends only on its own sequence, so a row's output does not depend on what
 // else is in the batch.
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(JPAGED_LIBMVEC) || defined(__AVX512BF16__)
@@ -94,9 +95,14 @@ inline void Prefetch(const char* a, const char* b, int64_t begin, int64_t end) {
   }
 }
 
+// Query vectors whose dots and P.V are taken together (AttendItem says where): three queries' 32-float chunks of
+// P.V fill AVX2's sixteen registers.
+constexpr int kGroup = 3;
+
 // scores[j] = q . keys[j] for `count` keys, eight at a time: independent accumulators keep the FMA units busy
 // (one dot alone waits on its own chain of additions).
-inline void Dots(const float* q, const float* const* keys, int count, int D, float* scores) {
+template <typename R>
+inline void Dots(const float* q, const R* const* keys, int count, int D, float* scores) {
   int j = 0;
   for (; j + 8 <= count; j += 8) {
     V8 a[8] = {};
@@ -111,6 +117,57 @@ inline void Dots(const float* q, const float* const* keys, int count, int D, flo
     for (int d = 0; d < D; d += 8) a += Load(q + d) * Load(keys[j] + d);
     scores[j] = Sum(a);
   }
+}
+
+// The sums of four vectors, a's first, each added in Sum's order: shuffles pair the four vectors' lanes, so four
+// vector additions replace four horizontal sums.
+inline void Sum4(V8 a, V8 b, V8 c, V8 d, float* sums) {
+  const V8 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);  // a0+a4..a3+a7, b0+b4..b3+b7
+  const V8 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+  const V8 pairs = __builtin_shufflevector(ab, cd, 0, 2, 4, 6, 8, 10, 12, 14) +
+                   __builtin_shufflevector(ab, cd, 1, 3, 5, 7, 9, 11, 13, 15);  // (0+4)+(1+5), (2+6)+(3+7) of each
+  const V8 total = __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6, 0, 2, 4, 6) +
+                   __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7, 1, 3, 5, 7);
+  std::memcpy(sums, &total, 4 * sizeof(float));
+}
+
+// scores[g * stride + j] = queries_g . keys[j] for kGroup queries (`queries` [kGroup][D]), four keys at a time.
+// Each key vector is loaded once for the three queries (widened in registers, for bfloat16 page rows), twelve
+// chains keep the FMA units busy, and the sums are taken four at a time. A short last four repeats its last key.
+template <typename R>
+inline void DotsOfGroup(const float* queries, const R* const* keys, int count, int D, float* scores, int stride) {
+  constexpr int J = 4;
+  for (int j0 = 0; j0 < count; j0 += J) {
+    const int last = std::min(J, count - j0) - 1;
+    const R* k[J];
+    for (int t = 0; t < J; ++t) k[t] = keys[j0 + std::min(t, last)];
+    V8 a[kGroup][J] = {};
+    for (int d = 0; d < D; d += 8) {
+      V8 q[kGroup];
+      for (int g = 0; g < kGroup; ++g) q[g] = Load(queries + g * D + d);
+      for (int t = 0; t < J; ++t) {
+        const V8 key = Load(k[t] + d);
+        for (int g = 0; g < kGroup; ++g) a[g][t] += q[g] * key;
+      }
+    }
+    for (int g = 0; g < kGroup; ++g) {
+      float sums[J];  // a full four's go straight to `scores` (a copy of them compiled to a slow `rep movs`)
+      float* dst = last == J - 1 ? scores + g * stride + j0 : sums;
+      Sum4(a[g][0], a[g][1], a[g][2], a[g][3], dst);
+      if (dst == sums)
+        for (int t = 0; t <= last; ++t) scores[g * stride + j0 + t] = sums[t];
+    }
+  }
+}
+
+// The dots of `nq` queries: together where they are a group, else one by one.
+template <typename R>
+inline void GroupDots(int nq, const float* queries, const R* const* keys, int count, int D, float* scores,
+                      int stride) {
+  if (nq == kGroup) return DotsOfGroup(queries, keys, count, D, scores, stride);
+  for (int g = 0; g < nq; ++g) Dots(queries + g * D, keys, count, D, scores + g * stride);
 }
 
 // Whether DotsOnWords takes this cache's dots: bfloat16 words on a CPU with AVX-512-BF16, head dims of 32 words.
@@ -164,20 +221,22 @@ inline void Dots8(const float* queries_t, const float* const* keys, int count, i
   }
 }
 
-// acc[0:8*NV] += sum_j weights[j] * values[j][0:8*NV], the accumulator held in registers across the keys.
-template <int NV>
-inline void AccumulateChunk(float* acc, const float* weights, const float* const* values, int count, int offset) {
+// acc[0:8*NV] += sum_j weights[j] * values[j][offset : offset + 8*NV], the accumulator held in registers across the
+// keys.
+template <int NV, typename R>
+inline void AccumulateChunk(float* acc, const float* weights, const R* const* values, int count, int offset) {
   V8 a[NV];
   for (int c = 0; c < NV; ++c) a[c] = Load(acc + 8 * c);
   for (int j = 0; j < count; ++j) {
     const V8 w = V8{} + weights[j];
-    const float* v = values[j] + offset;
+    const R* v = values[j] + offset;
     for (int c = 0; c < NV; ++c) a[c] += w * Load(v + 8 * c);
   }
   for (int c = 0; c < NV; ++c) Store(acc + 8 * c, a[c]);
 }
 
-inline void Accumulate(float* acc, const float* weights, const float* const* values, int count, int D) {
+template <typename R>
+inline void Accumulate(float* acc, const float* weights, const R* const* values, int count, int D) {
   int d = 0;
   for (; d + 64 <= D; d += 64) AccumulateChunk<8>(acc + d, weights, values, count, d);
   switch ((D - d) / 8) {  // head dims that are not a multiple of 64 (80, 96...)
@@ -188,6 +247,46 @@ inline void Accumulate(float* acc, const float* weights, const float* const* val
     case 5: return AccumulateChunk<5>(acc + d, weights, values, count, d);
     case 6: return AccumulateChunk<6>(acc + d, weights, values, count, d);
     case 7: return AccumulateChunk<7>(acc + d, weights, values, count, d);
+  }
+}
+
+// The same for kGroup queries at once, query g's accumulator at acc + g * D, its weights at weights + g * stride,
+// each first scaled by correction[g]: a value vector is loaded (widened, for bfloat16 page rows) once for the
+// three. 32 floats at a time: AVX2's sixteen registers hold the 12 accumulators, the weights and a value vector.
+template <int NV, typename R>
+inline void AccumulateGroupChunk(float* acc, const float* correction, const float* weights, int stride,
+                                 const R* const* values, int count, int D, int offset) {
+  V8 a[kGroup][NV];
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < NV; ++c) a[g][c] = Load(acc + g * D + offset + 8 * c) * correction[g];
+  for (int j = 0; j < count; ++j) {
+    V8 w[kGroup];
+    for (int g = 0; g < kGroup; ++g) w[g] = V8{} + weights[g * stride + j];
+    const R* v = values[j] + offset;
+    for (int c = 0; c < NV; ++c) {
+      const V8 x = Load(v + 8 * c);
+      for (int g = 0; g < kGroup; ++g) a[g][c] += w[g] * x;
+    }
+  }
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < NV; ++c) Store(acc + g * D + offset + 8 * c, a[g][c]);
+}
+
+// P.V of `nq` queries: together where they are a group, else one by one.
+template <typename R>
+inline void GroupAccumulate(int nq, float* acc, const float* correction, const float* weights, int stride,
+                            const R* const* values, int count, int D) {
+  if (nq == kGroup) {
+    int d = 0;
+    for (; d + 32 <= D; d += 32) AccumulateGroupChunk<4>(acc, correction, weights, stride, values, count, D, d);
+    for (; d < D; d += 8) AccumulateGroupChunk<1>(acc, correction, weights, stride, values, count, D, d);
+    return;
+  }
+  for (int g = 0; g < nq; ++g) {
+    float* a = acc + g * D;
+    if (correction[g] != 1.0f)
+      for (int d = 0; d < D; ++d) a[d] *= correction[g];
+    Accumulate(a, weights + g * stride, values, count, D);
   }
 }
 
@@ -203,7 +302,11 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
   const int last_pos = first_pos + item.rows - 1;
   const int64_t row_stride = static_cast<int64_t>(Hk) * D;  // between tokens of a page
 
-  const int n8 = n / 8 * 8;  // query vectors taken eight at a time (prefill tiles); the rest one by one
+  const int n8 = n / 8 * 8;  // query vectors taken eight at a time (prefill tiles); the rest in small groups
+  // bfloat16 rows in threes where threes divide the rest (SmolLM2's decode rows), else one by one: twos measured
+  // slower (four query heads a KV head), and so did threes of float32 rows, which need no widening to share.
+  const int group = !std::is_same<T, float>::value && (n - n8) % kGroup == 0 ? kGroup : 1;
+  const bool shared = n > kGroup;  // rows that several groups use are widened once, into float buffers
   scratch.resize(static_cast<size_t>(Hk) * n * (3 * D + 2) + static_cast<size_t>(n) * B + 2 * B * D);
   float* queries = scratch.data();                         // [Hk][n][D], scaled
   float* acc = queries + static_cast<size_t>(Hk) * n * D;  // [Hk][n][D]
@@ -213,7 +316,8 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
   float* key_buffer = scores + static_cast<size_t>(n) * B;  // [B][D]: bfloat16 rows converted
   float* value_buffer = key_buffer + static_cast<size_t>(B) * D;
   float* queries_t = value_buffer + static_cast<size_t>(B) * D;  // [Hk][n/8][D][8] (of the first n8)
-  std::vector<const float*> keys(B), values(B);
+  std::vector<const float*> keys(B), values(B);        // rows as floats, where they are `shared`
+  std::vector<const T*> page_keys(B), page_values(B);  // the page's own rows
 
   for (int r = 0; r < item.rows; ++r) {
     const T* row = q + static_cast<int64_t>(q_start + item.row0 + r) * Hk * G * D;
@@ -256,50 +360,70 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
     const char* next_v = reinterpret_cast<const char*>(v_layer + next_offset);
     for (int h = 0; h < Hk; ++h) {
       if (prefetch) Prefetch(next_k, next_v, block_bytes * h / Hk, block_bytes * (h + 1) / Hk);
-      const bool on_words = OnWords(k_block, D);  // the one-by-one queries' dots straight on bfloat16 words
+      const bool on_words = OnWords(k_block, D);  // the other queries' dots straight on bfloat16 words
       for (int j = 0; j < num_keys; ++j) {
-        if (n8 > 0 || !on_words) keys[j] = Row(k_block + j * row_stride + h * D, key_buffer + j * D, D);
-        values[j] = Row(v_block + j * row_stride + h * D, value_buffer + j * D, D);
+        page_keys[j] = k_block + j * row_stride + h * D;
+        page_values[j] = v_block + j * row_stride + h * D;
+        if (!shared) continue;  // widened in registers where they are used
+        if (n8 > 0 || !on_words) keys[j] = Row(page_keys[j], key_buffer + j * D, D);
+        values[j] = Row(page_values[j], value_buffer + j * D, D);
       }
       const float* qh = queries + static_cast<size_t>(h) * n * D;
       float* acc_h = acc + static_cast<size_t>(h) * n * D;
       for (int i = 0; i < n8; i += 8)
         Dots8(queries_t + (static_cast<size_t>(h) * n + i) * D, keys.data(), num_keys, D, scores + i * B, B);
-      for (int i = n8; i < n; ++i) {
+      for (int i = n8; i < n; i += group) {
         if (on_words) {
-          const T* query = q + static_cast<int64_t>(q_start + item.row0 + i / G) * Hk * G * D + (h * G + i % G) * D;
-          DotsOnWords(query, k_block + h * D, row_stride, num_keys, D, p.scale, scores + i * B);
+          for (int g = i; g < std::min(n, i + group); ++g) {
+            const T* query =
+                q + static_cast<int64_t>(q_start + item.row0 + g / G) * Hk * G * D + (h * G + g % G) * D;
+            DotsOnWords(query, k_block + h * D, row_stride, num_keys, D, p.scale, scores + g * B);
+          }
         } else {
-          Dots(qh + static_cast<size_t>(i) * D, keys.data(), num_keys, D, scores + i * B);
+          const int nq = std::min(group, n - i);
+          if (shared)
+            GroupDots(nq, qh + static_cast<size_t>(i) * D, keys.data(), num_keys, D, scores + i * B, B);
+          else
+            GroupDots(nq, qh + static_cast<size_t>(i) * D, page_keys.data(), num_keys, D, scores + i * B, B);
         }
       }
-      for (int i = 0; i < n; ++i) {
-        const int pos = first_pos + i / G;
-        float* s = scores + static_cast<size_t>(i) * B;
-        if (p.soft_cap > 0.0f)  // a loop of its own: inside the next one, tanh would run (vectorised) always
-          for (int j = 0; j < num_keys; ++j) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
-        float block_max = kNeg;
-        if (all_visible) {
-          for (int j = 0; j < num_keys; ++j) block_max = std::max(block_max, s[j]);
-        } else {
-          for (int j = 0; j < num_keys; ++j) {
-            const int key = key0 + j;
-            const bool visible = key <= pos && (p.window <= 0 || key > pos - p.window);
-            s[j] = visible ? s[j] : kNeg;
-            block_max = std::max(block_max, s[j]);
+      for (int i0 = 0; i0 < n; i0 += group) {
+        const int nq = std::min(group, n - i0);
+        float correction[kGroup];  // of each query's accumulator, for the new maximum
+        for (int i = i0; i < i0 + nq; ++i) {
+          const int pos = first_pos + i / G;
+          float* s = scores + static_cast<size_t>(i) * B;
+          if (p.soft_cap > 0.0f)  // a loop of its own: inside the next one, tanh would run (vectorised) always
+            for (int j = 0; j < num_keys; ++j) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
+          float block_max = kNeg;
+          if (all_visible) {
+            for (int j = 0; j < num_keys; ++j) block_max = std::max(block_max, s[j]);
+          } else {
+            for (int j = 0; j < num_keys; ++j) {
+              const int key = key0 + j;
+              const bool visible = key <= pos && (p.window <= 0 || key > pos - p.window);
+              s[j] = visible ? s[j] : kNeg;
+              block_max = std::max(block_max, s[j]);
+            }
           }
+          if (block_max == kNeg) {  // nothing visible to this row in this block: it adds nothing
+            std::fill(s, s + num_keys, 0.0f);
+            correction[i - i0] = 1.0f;
+            continue;
+          }
+          float& m = max[static_cast<size_t>(h) * n + i];
+          float& l = denom[static_cast<size_t>(h) * n + i];
+          const float m_new = std::max(m, block_max);
+          correction[i - i0] = std::exp(m - m_new);
+          l = l * correction[i - i0] + ExpShifted(s, num_keys, m_new);
+          m = m_new;
         }
-        if (block_max == kNeg) continue;  // nothing visible to this row in this block
-        float& m = max[static_cast<size_t>(h) * n + i];
-        float& l = denom[static_cast<size_t>(h) * n + i];
-        const float m_new = std::max(m, block_max);
-        const float correction = std::exp(m - m_new);
-        l = l * correction + ExpShifted(s, num_keys, m_new);
-        m = m_new;
-        float* a = acc_h + static_cast<size_t>(i) * D;
-        if (correction != 1.0f)
-          for (int d = 0; d < D; ++d) a[d] *= correction;
-        Accumulate(a, s, values.data(), num_keys, D);
+        float* group_acc = acc_h + static_cast<size_t>(i0) * D;
+        const float* group_weights = scores + static_cast<size_t>(i0) * B;
+        if (shared)
+          GroupAccumulate(nq, group_acc, correction, group_weights, B, values.data(), num_keys, D);
+        else
+          GroupAccumulate(nq, group_acc, correction, group_weights, B, page_values.data(), num_keys, D);
       }
     }
   }
