@@ -13,6 +13,7 @@ from jpaged.runner.sampler import (
     _LogWeights,
     _top_k_top_p_threshold,
     apply_penalties,
+    argmax_rows,
 )
 from jpaged.runner.sampling_inputs import SamplingRow, build_sampling_tensors
 from jpaged.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -59,6 +60,19 @@ def test_temperature_zero_equals_argmax():
     rows = rows_of(SamplingParams(temperature=0.0), 5)
     out, _ = _run(rows, logits)
     np.testing.assert_array_equal(out.token_ids, logits[:5].argmax(-1))
+
+
+@pytest.mark.parametrize("vocab_size", [49152, 1000, 151936, 997])
+def test_the_two_level_argmax_is_numpys_first_maximum_with_ties_and_inf(vocab_size):
+    rng = np.random.default_rng(vocab_size)
+    x = rng.normal(size=(12, vocab_size)).astype(np.float32)
+    x[1] = -np.inf  # every entry the same: the first
+    x[2, rng.integers(vocab_size, size=3)] = 50.0  # tied maxima in different blocks: the first
+    x[3, [7, 8]] = np.inf
+    x[4, [vocab_size - 1, 3]] = -np.inf
+    x[5] = np.round(x[5])  # many ties
+    x[6, -1] = 99.0  # the last entry
+    np.testing.assert_array_equal(jax.jit(argmax_rows)(x), x.argmax(-1))
 
 
 def test_greedy_rows_take_argmax_inside_a_sampled_batch():

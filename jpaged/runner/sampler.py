@@ -38,6 +38,7 @@ from jpaged.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
 
 TRUNCATION_CANDIDATES = (256, 4096)  # top_k/top_p look at this many best logits before bisecting
 CDF_BLOCK = 256  # block length of the two-level inverse-CDF draw
+ARGMAX_BLOCKS = (256, 512, 128, 1024, 64)  # block lengths argmax_rows tries, first dividing V taken
 _NEG_INF_BITS = 0x7F800000  # float32 bits of +inf: -bitcast(this) is -inf
 
 
@@ -46,6 +47,22 @@ def _scatter_rows(ids: jax.Array, values: jax.Array | float, vocab_size: int, dt
     dense = jnp.zeros((ids.shape[0], vocab_size + 1), dtype)
     rows = jnp.arange(ids.shape[0])[:, None]
     return getattr(dense.at[rows, ids], op)(values)[:, :vocab_size]
+
+
+def argmax_rows(x: jax.Array) -> jax.Array:
+    """int32[S]: jnp.argmax(x, axis=-1) of [S, V] (the first of a row's maxima), in two levels: the blocks' maxima,
+    then the best block's argmax. XLA's CPU argmax over a row is an unvectorised loop (~15x slower at [64, 49152],
+    scripts/KERNELS.md); plain max reductions are not. A V that no block length divides takes the plain argmax
+    (slicing off a remainder copies the logits). Only a row holding NaN may differ: XLA:CPU's max passes NaN by,
+    where argmax takes the first NaN; a NaN-aware max measured as slow as argmax, and NaN logits are garbage."""
+    num_rows, vocab_size = x.shape
+    block = next((b for b in ARGMAX_BLOCKS if vocab_size % b == 0 and vocab_size > b), None)
+    if block is None:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    blocks = x.reshape(num_rows, vocab_size // block, block)
+    best_block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+    within = jnp.take_along_axis(blocks, best_block[:, None, None], axis=1)[:, 0]
+    return (best_block * block + jnp.argmax(within, axis=-1)).astype(jnp.int32)
 
 
 def apply_penalties(
@@ -284,7 +301,7 @@ def sample(logits: jax.Array, t: SamplingTensors, *, branch_free: bool = False) 
     asks (zeros otherwise); `branch_free` is static (see the module doc)."""
     raw = logits.astype(jnp.float32)
     processed = _processed_logits(raw, t, branch_free=branch_free)
-    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    greedy_ids = argmax_rows(processed)
     peak = jnp.take_along_axis(processed, greedy_ids[:, None], axis=-1)[:, 0]
     greedy = t.temperature < SAMPLING_EPS
     draw = lambda: _random_tokens(processed, peak, t, branch_free=branch_free)  # noqa: E731
