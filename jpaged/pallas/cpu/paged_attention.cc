@@ -87,11 +87,12 @@ inline void Touch(const void* a, const void* b, int64_t bytes) {
   asm volatile("" : "+m"(sink));  // the loads are kept though the result is never used
 }
 
-// Asks for the cache lines of bytes [begin, end) of two arrays ahead of their use.
+// Asks for the cache lines of bytes [begin, end) of two arrays ahead of their use: into L1 (kLocality 3) or L2 (1).
+template <int kLocality>
 inline void Prefetch(const char* a, const char* b, int64_t begin, int64_t end) {
   for (int64_t offset = begin / 64 * 64; offset < end; offset += 64) {
-    __builtin_prefetch(a + offset);
-    __builtin_prefetch(b + offset);
+    __builtin_prefetch(a + offset, 0, kLocality);
+    __builtin_prefetch(b + offset, 0, kLocality);
   }
 }
 
@@ -351,15 +352,23 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
     const T* k_block = k_layer + static_cast<int64_t>(block) * B * row_stride;
     const T* v_block = v_layer + static_cast<int64_t>(block) * B * row_stride;
     if (stream) Touch(k_block, v_block, block_bytes);
-    // Meanwhile the next block is requested, a head's share at a time: the heads' strided passes then find it in
-    // cache. Only the two together pay (scripts/KERNELS.md has the A/B by scripts/ab_cpu_kernels.py).
-    const int next = b < last_pos / B ? table[b + 1] : -1;
-    const bool prefetch = stream && next >= 0 && next < p.num_blocks;
-    const int64_t next_offset = static_cast<int64_t>(prefetch ? next : 0) * B * row_stride;
-    const char* next_k = reinterpret_cast<const char*>(k_layer + next_offset);
-    const char* next_v = reinterpret_cast<const char*>(v_layer + next_offset);
+    // Meanwhile the next block is requested into L1 and the one after into L2, a head's share at a time: the heads'
+    // strided passes then find them in cache, and more of the pages are on their way at once (scripts/KERNELS.md
+    // has the A/Bs by scripts/ab_cpu_kernels.py).
+    const char* ahead_k[2];
+    const char* ahead_v[2];
+    bool prefetch[2];
+    for (int a = 0; a < 2; ++a) {
+      const int ahead = b + a < last_pos / B ? table[b + 1 + a] : -1;
+      prefetch[a] = stream && ahead >= 0 && ahead < p.num_blocks;
+      const int64_t offset = static_cast<int64_t>(prefetch[a] ? ahead : 0) * B * row_stride;
+      ahead_k[a] = reinterpret_cast<const char*>(k_layer + offset);
+      ahead_v[a] = reinterpret_cast<const char*>(v_layer + offset);
+    }
     for (int h = 0; h < Hk; ++h) {
-      if (prefetch) Prefetch(next_k, next_v, block_bytes * h / Hk, block_bytes * (h + 1) / Hk);
+      const int64_t begin = block_bytes * h / Hk, end = block_bytes * (h + 1) / Hk;
+      if (prefetch[0]) Prefetch<3>(ahead_k[0], ahead_v[0], begin, end);
+      if (prefetch[1]) Prefetch<1>(ahead_k[1], ahead_v[1], begin, end);
       const bool on_words = OnWords(k_block, D);  // the other queries' dots straight on bfloat16 words
       for (int j = 0; j < num_keys; ++j) {
         page_keys[j] = k_block + j * row_stride + h * D;
