@@ -28,6 +28,8 @@ decide; nothing sorts V (XLA's sort of [S, V] takes seconds on CPU).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -256,9 +258,8 @@ def allowed_tokens(bitmask: jax.Array, vocab_size: int) -> jax.Array:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(jnp.bool_)
 
 
-def _processed_logits(raw: jax.Array, t: SamplingTensors, *, branch_free: bool) -> jax.Array:
-    """The token bitmask, then logit_bias, then penalties."""
-    vocab_size = raw.shape[-1]
+def _stages(vocab_size: int, t: SamplingTensors) -> list[tuple[jax.Array, Callable[[jax.Array], jax.Array]]]:
+    """(whether some row needs it, the stage) for the token bitmask, then logit_bias, then penalties."""
 
     def restrict(logits):
         return jnp.where(allowed_tokens(t.token_bitmask, vocab_size), logits, -jnp.inf)
@@ -272,9 +273,19 @@ def _processed_logits(raw: jax.Array, t: SamplingTensors, *, branch_free: bool) 
         )
 
     penalised = (t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1.0)
-    logits = _when(jnp.any(t.token_bitmask != -1), restrict, raw, branch_free=branch_free)
-    logits = _when(jnp.any(t.bias_ids < vocab_size), bias, logits, branch_free=branch_free)
-    return _when(jnp.any(penalised), penalise, logits, branch_free=branch_free)
+    return [
+        (jnp.any(t.token_bitmask != -1), restrict),
+        (jnp.any(t.bias_ids < vocab_size), bias),
+        (jnp.any(penalised), penalise),
+    ]
+
+
+def _processed_logits(raw: jax.Array, stages: list, *, branch_free: bool) -> jax.Array:
+    """The raw logits through `_stages`' stages, each skipped where no row needs it."""
+    logits = raw
+    for needed, stage in stages:
+        logits = _when(needed, stage, logits, branch_free=branch_free)
+    return logits
 
 
 def gather_logprobs(
@@ -300,7 +311,24 @@ def sample(logits: jax.Array, t: SamplingTensors, *, branch_free: bool = False) 
     """Device side: pick one token per row from logits [S, V], with the top MAX_LOGPROBS logprobs when some row
     asks (zeros otherwise); `branch_free` is static (see the module doc)."""
     raw = logits.astype(jnp.float32)
-    processed = _processed_logits(raw, t, branch_free=branch_free)
+    stages = _stages(raw.shape[-1], t)
+    if branch_free:
+        return _sample_processed(raw, _processed_logits(raw, stages, branch_free=True), t, branch_free=True)
+    # Where no row is restricted, biased or penalised the whole sampling runs on the raw logits: one cond around
+    # all of it rather than a stage's cond handing them back, which copies [S, V] floats (a program's parameter
+    # cannot be its conditional's result).
+    processing = functools.reduce(jnp.logical_or, [needed for needed, _ in stages])
+    return jax.lax.cond(
+        processing,
+        lambda: _sample_processed(
+            raw, _processed_logits(raw, stages, branch_free=False), t, branch_free=False
+        ),
+        lambda: _sample_processed(raw, raw, t, branch_free=False),
+    )
+
+
+def _sample_processed(raw: jax.Array, processed: jax.Array, t: SamplingTensors, *, branch_free: bool):
+    """`sample` from the raw logits and the processed ones (the bitmask, bias and penalties applied)."""
     greedy_ids = argmax_rows(processed)
     peak = jnp.take_along_axis(processed, greedy_ids[:, None], axis=-1)[:, 0]
     greedy = t.temperature < SAMPLING_EPS
