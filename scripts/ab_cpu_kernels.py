@@ -6,7 +6,8 @@ compiled alone (with the current kernel.h) and registered under a target of its 
 or REV:PATH from git.
 
   attention: the decode attention of every layer (SmolLM2: 30 layers, 9 query / 3 KV heads, head dim 64, blocks
-             of 16), --seqs sequences of --context tokens each, pages in random order across the pool
+             of 16), --seqs sequences of --context tokens each, pages in random order across the pool; with
+             --query-len Q, each sequence's last Q tokens are its queries (a prefill chunk, causal)
   matmul:    SmolLM2's four layer matrices through 30 layers (one stacked panel array each, as the engine has
              them), x of --rows rows
 
@@ -63,13 +64,16 @@ def attention_runs(targets, args, rng):
     """One jitted function per target: every layer's decode attention, each layer's output the next's queries."""
     num_layers, num_heads, num_kv_heads, head_dim = map(int, args.shape.split(","))
     dtype = jnp.dtype(args.dtype)
+    if not 1 <= args.query_len <= args.context:
+        raise SystemExit("--query-len must be between 1 and --context")
     batch, num_blocks = decode_batch(args.seqs, args.context, rng)
     cache_shape = (num_layers, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     k = jnp.asarray(rng.standard_normal(cache_shape), dtype)
     v = jnp.asarray(rng.standard_normal(cache_shape), dtype)
-    q = jnp.asarray(rng.standard_normal((args.seqs, num_heads, head_dim)), dtype)
+    q = jnp.asarray(rng.standard_normal((args.seqs * args.query_len, num_heads, head_dim)), dtype)
+    query_start = np.arange(args.seqs + 1, dtype=np.int32) * args.query_len
     tables, kv_lens, query_start, num_seqs = map(
-        jnp.asarray, (batch.block_tables, batch.kv_lens, batch.query_start, batch.num_seqs)
+        jnp.asarray, (batch.block_tables, batch.kv_lens, query_start, batch.num_seqs)
     )
 
     def make(target):
@@ -87,7 +91,8 @@ def attention_runs(targets, args, rng):
         # The pools are arguments: captured by the function, they would be folded into it as constants.
         return jax.jit(run), (q, k, v)
 
-    label = f"{args.seqs} x {args.context}, {num_layers} layers, heads {num_heads}/{num_kv_heads}x{head_dim}"
+    queries = f", {args.query_len} queries each" if args.query_len > 1 else ""
+    label = f"{args.seqs} x {args.context}{queries}, {num_layers} layers, heads {num_heads}/{num_kv_heads}x{head_dim}"
     return [(f"{label}, {args.dtype}", [make(t) for t in targets])]
 
 
@@ -133,6 +138,9 @@ def main() -> None:
     parser.add_argument("--shape", default="30,9,3,64", help="attention: layers,heads,kv_heads,head_dim")
     parser.add_argument("--seqs", type=int, default=64, help="attention: sequences")
     parser.add_argument("--context", type=int, default=256, help="attention: tokens per sequence")
+    parser.add_argument(
+        "--query-len", type=int, default=1, help="attention: queries per sequence (its last tokens)"
+    )
     parser.add_argument("--rows", default="6,24,64,512", help="matmul: row counts")
     args = parser.parse_args()
     if not cpu_library.available():
