@@ -10,8 +10,9 @@ their top K after the bitmask (its grammar's disallowed tokens at -inf), the pro
 
 One program per shape: every input is present with a fixed shape (sampling_inputs.py), and a stage no row needs
 is skipped at run time, by `lax.cond` on a predicate read off the inputs (no row restricted, biased, penalised,
-asking for logprobs, sampling or truncating), so the common path does no extra work. The engine warms up nothing
-but the shapes.
+asking for logprobs, sampling or truncating), so the common path does no extra work; where no row is restricted,
+biased or penalised, one cond takes the whole sampling onto the raw logits (a stage's skip branch handing them
+back would copy them). The engine warms up nothing but the shapes.
 
 Branch-free (`branch_free=True`, what GPUs and TPUs run): no lax.cond, whose predicate XLA:GPU reads back to the
 host and which breaks its command buffers. Every stage runs on its neutral inputs where unused (every token
