@@ -40,8 +40,7 @@ from jpaged.runner.sampling_inputs import SamplerOutput, SamplingTensors
 from jpaged.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
 
 TRUNCATION_CANDIDATES = (256, 4096)  # top_k/top_p look at this many best logits before bisecting
-CDF_BLOCK = 256  # block length of the two-level inverse-CDF draw
-ARGMAX_BLOCKS = (256, 512, 128, 1024, 64)  # block lengths argmax_rows tries, first dividing V taken
+VOCAB_BLOCK = 256  # the longest block of the two-level passes over a row (inverse-CDF draw, argmax)
 _NEG_INF_BITS = 0x7F800000  # float32 bits of +inf: -bitcast(this) is -inf
 
 
@@ -52,17 +51,21 @@ def _scatter_rows(ids: jax.Array, values: jax.Array | float, vocab_size: int, dt
     return getattr(dense.at[rows, ids], op)(values)[:, :vocab_size]
 
 
+def _vocab_blocks(x: jax.Array) -> jax.Array:
+    """[S, V] as [S, V / b, b] blocks, b the largest power of two dividing V, at most VOCAB_BLOCK (slicing off a
+    remainder would copy the row)."""
+    num_rows, vocab_size = x.shape
+    block = min(VOCAB_BLOCK, vocab_size & -vocab_size)
+    return x.reshape(num_rows, vocab_size // block, block)
+
+
 def argmax_rows(x: jax.Array) -> jax.Array:
     """int32[S]: jnp.argmax(x, axis=-1) of [S, V] (the first of a row's maxima), in two levels: the blocks' maxima,
     then the best block's argmax. XLA's CPU argmax over a row is an unvectorised loop (~15x slower at [64, 49152],
-    scripts/KERNELS.md); plain max reductions are not. A V that no block length divides takes the plain argmax
-    (slicing off a remainder copies the logits). Only a row holding NaN may differ: XLA:CPU's max passes NaN by,
-    where argmax takes the first NaN; a NaN-aware max measured as slow as argmax, and NaN logits are garbage."""
-    num_rows, vocab_size = x.shape
-    block = next((b for b in ARGMAX_BLOCKS if vocab_size % b == 0 and vocab_size > b), None)
-    if block is None:
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    blocks = x.reshape(num_rows, vocab_size // block, block)
+    scripts/KERNELS.md); plain max reductions are not. Only a row holding NaN may differ: XLA:CPU's max passes NaN
+    by, where argmax takes the first NaN; a NaN-aware max measured as slow as argmax, and NaN logits are garbage."""
+    blocks = _vocab_blocks(x)
+    block = blocks.shape[-1]
     best_block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
     within = jnp.take_along_axis(blocks, best_block[:, None, None], axis=1)[:, 0]
     return (best_block * block + jnp.argmax(within, axis=-1)).astype(jnp.int32)
@@ -218,9 +221,8 @@ def _inverse_cdf(logits: jax.Array, cut: _LogWeights, uniforms: jax.Array) -> ja
     Two levels keep cumulative sums short (XLA's cumsum over a whole [S, V] row is slow on CPU), and only the
     block sums read all of V, fused with the exp.
     """
-    num_rows, vocab_size = logits.shape
-    block = min(CDF_BLOCK, vocab_size & -vocab_size)  # largest power of two dividing V, capped
-    blocks = logits.reshape(num_rows, vocab_size // block, block)
+    blocks = _vocab_blocks(logits)
+    block = blocks.shape[-1]
     block_mass = jnp.sum(jnp.exp(cut(logits)).reshape(blocks.shape), axis=-1)
     chosen_block = _first_above(block_mass, uniforms[:, 0])
     in_block = jnp.take_along_axis(blocks, chosen_block[:, None, None], axis=1)[:, 0]
