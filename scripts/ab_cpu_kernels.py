@@ -61,7 +61,8 @@ def build(source: str, kernel: str, index: int, workdir: Path) -> str:
 
 
 def attention_runs(targets, args, rng):
-    """One jitted function per target: every layer's decode attention, each layer's output the next's queries."""
+    """One jitted function per target: every layer's attention of the step (decode rows, or --query-len queries a
+    sequence), each layer's output the next's queries."""
     num_layers, num_heads, num_kv_heads, head_dim = map(int, args.shape.split(","))
     dtype = jnp.dtype(args.dtype)
     if not 1 <= args.query_len <= args.context:
