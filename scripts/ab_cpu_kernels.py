@@ -67,10 +67,10 @@ def attention_runs(targets, args, rng):
     dtype = jnp.dtype(args.dtype)
     if not 1 <= args.query_len <= args.context:
         raise SystemExit("--query-len must be between 1 and --context")
-    batch, num_blocks = decode_batch(args.seqs, args.context, rng)
+    batch, num_blocks = decode_batch(args.seqs, args.context, rng, args.pool_blocks)
     cache_shape = (num_layers, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k = jnp.asarray(rng.standard_normal(cache_shape), dtype)
-    v = jnp.asarray(rng.standard_normal(cache_shape), dtype)
+    k = jnp.asarray(rng.standard_normal(cache_shape, np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal(cache_shape, np.float32), dtype)
     q = jnp.asarray(rng.standard_normal((args.seqs * args.query_len, num_heads, head_dim)), dtype)
     query_start = np.arange(args.seqs + 1, dtype=np.int32) * args.query_len
     tables, kv_lens, query_start, num_seqs = map(
@@ -141,6 +141,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="attention: tokens per sequence")
     parser.add_argument(
         "--query-len", type=int, default=1, help="attention: queries per sequence (its last tokens)"
+    )
+    parser.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=0,
+        help="attention: blocks in the pool the pages are drawn from (default: just the ones needed)",
     )
     parser.add_argument("--rows", default="6,24,64,512", help="matmul: row counts")
     args = parser.parse_args()

@@ -45,12 +45,16 @@ BLOCK_SIZE = 16
 KV_READ_PAGES = 4
 
 
-def decode_batch(num_seqs: int, context: int, rng: np.random.Generator) -> tuple[StepBatch, int]:
+def decode_batch(
+    num_seqs: int, context: int, rng: np.random.Generator, pool_blocks: int = 0
+) -> tuple[StepBatch, int]:
     """One decode token per sequence after `context - 1` cached ones, each sequence's pages drawn at random from
-    the pool (block 0 is the null block); returns the batch and the pool size it needs."""
+    a pool of `pool_blocks` blocks (at least the ones needed; block 0 is the null block); returns the batch and
+    the pool size."""
     pages = -(-context // BLOCK_SIZE)
-    num_blocks = 1 + num_seqs * pages
-    tables = rng.permutation(np.arange(1, num_blocks)).astype(np.int32).reshape(num_seqs, pages)
+    num_blocks = max(1 + num_seqs * pages, pool_blocks)
+    drawn = rng.permutation(np.arange(1, num_blocks))[: num_seqs * pages]
+    tables = drawn.astype(np.int32).reshape(num_seqs, pages)
     position = np.full(num_seqs, context - 1, np.int32)
     slots = tables[:, -1] * BLOCK_SIZE + position % BLOCK_SIZE
     batch = StepBatch(
