@@ -23,6 +23,7 @@ from jpaged.models.config import ModelConfig
 from jpaged.models.llama import KVCache, StackedProducts, init_kv_cache, model_graphdef, params_dtype
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
+from jpaged.pallas.cpu import huge_pages
 from jpaged.rounding import cdiv
 from jpaged.runner.device_step import bind_prompt_logprobs, bind_step, copy_blocks, scatter_blocks
 from jpaged.runner.kv_transfer import HostSwapSpace
@@ -81,7 +82,7 @@ class ModelRunner:
         self.products = products = StackedProducts(model_config, tp) if self.mesh else choose_products(params)
         shardings = param_shardings(self.mesh, model_config) if self.mesh else None
         self.weights = WeightPlacement(products, loaded_config, kv_head_copies(tp, loaded_config), shardings)
-        self.params = self.weights.place(params)
+        self.params = self._placed(self.weights.place(params))
         self._host_params = None  # the weights while asleep (sleep level 1)
         self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)
         self.attention_impl = resolve_attention_impl(
@@ -290,7 +291,17 @@ class ModelRunner:
                 lambda: jnp.zeros(shape, dtype), out_shardings=sharding
             )()
         mc = self.model_config
-        return init_kv_cache(mc, self.num_blocks, self.block_size, self.kv_dtype, allocate)
+        kv_cache = init_kv_cache(mc, self.num_blocks, self.block_size, self.kv_dtype, allocate)
+        advised = huge_pages.advise(kv_cache)
+        logger.debug("KV pool: %.0f MiB asked for in huge pages", advised / 2**20)
+        return kv_cache
+
+    @staticmethod
+    def _placed(params: dict) -> dict:
+        """`params`, on a CPU in memory asked for as huge pages (jpaged/pallas/cpu/huge_pages.py says why)."""
+        advised = huge_pages.advise(params)
+        logger.debug("weights: %.0f MiB asked for in huge pages", advised / 2**20)
+        return params
 
     def update_weights(self, params: dict) -> None:
         """Run on these weights from the next step (the loaders' layout; the engine checks that they match the
@@ -298,7 +309,7 @@ class ModelRunner:
         if self.asleep:
             self._host_params = jax.device_get(self.weights.layout(params))
         else:
-            self.params = self.weights.place(params)
+            self.params = self._placed(self.weights.place(params))
 
     @property
     def asleep(self) -> bool:
@@ -322,7 +333,7 @@ class ModelRunner:
         """The pool and the weights back on the device, in the shapes the compiled steps take."""
         if self._host_params is None:
             raise ValueError("the weights were dropped by sleep(level=2): call update_weights before wake_up")
-        self.params = self.weights.to_device(self._host_params)
+        self.params = self._placed(self.weights.to_device(self._host_params))
         self._host_params = None
         self.kv_cache = self._allocate_kv_cache()
 
