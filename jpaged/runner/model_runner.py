@@ -55,6 +55,12 @@ from jpaged.runner.weight_placement import WeightPlacement
 logger = logging.getLogger(__name__)
 
 
+def _in_huge_pages(arrays, what: str):
+    """`arrays`, on a CPU in memory asked for as huge pages (jpaged/pallas/cpu/huge_pages.py says why)."""
+    logger.debug("%s: %.0f MiB asked for in huge pages", what, huge_pages.advise(arrays) / 2**20)
+    return arrays
+
+
 class ModelRunner:
     """The device side of an engine: the weights, the KV pool, the compiled step programs."""
 
@@ -82,7 +88,7 @@ class ModelRunner:
         self.products = products = StackedProducts(model_config, tp) if self.mesh else choose_products(params)
         shardings = param_shardings(self.mesh, model_config) if self.mesh else None
         self.weights = WeightPlacement(products, loaded_config, kv_head_copies(tp, loaded_config), shardings)
-        self.params = self._placed(self.weights.place(params))
+        self.params = _in_huge_pages(self.weights.place(params), "weights")
         self._host_params = None  # the weights while asleep (sleep level 1)
         self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)
         self.attention_impl = resolve_attention_impl(
@@ -292,16 +298,7 @@ class ModelRunner:
             )()
         mc = self.model_config
         kv_cache = init_kv_cache(mc, self.num_blocks, self.block_size, self.kv_dtype, allocate)
-        advised = huge_pages.advise(kv_cache)
-        logger.debug("KV pool: %.0f MiB asked for in huge pages", advised / 2**20)
-        return kv_cache
-
-    @staticmethod
-    def _placed(params: dict) -> dict:
-        """`params`, on a CPU in memory asked for as huge pages (jpaged/pallas/cpu/huge_pages.py says why)."""
-        advised = huge_pages.advise(params)
-        logger.debug("weights: %.0f MiB asked for in huge pages", advised / 2**20)
-        return params
+        return _in_huge_pages(kv_cache, "KV pool")
 
     def update_weights(self, params: dict) -> None:
         """Run on these weights from the next step (the loaders' layout; the engine checks that they match the
@@ -309,7 +306,7 @@ class ModelRunner:
         if self.asleep:
             self._host_params = jax.device_get(self.weights.layout(params))
         else:
-            self.params = self._placed(self.weights.place(params))
+            self.params = _in_huge_pages(self.weights.place(params), "weights")
 
     @property
     def asleep(self) -> bool:
@@ -333,7 +330,7 @@ class ModelRunner:
         """The pool and the weights back on the device, in the shapes the compiled steps take."""
         if self._host_params is None:
             raise ValueError("the weights were dropped by sleep(level=2): call update_weights before wake_up")
-        self.params = self._placed(self.weights.to_device(self._host_params))
+        self.params = _in_huge_pages(self.weights.to_device(self._host_params), "weights")
         self._host_params = None
         self.kv_cache = self._allocate_kv_cache()
 
