@@ -79,6 +79,11 @@ CONFIGS = [
     CPU_BF16,
     Config("cpu", "bfloat16", 32, 4, 1, 64, DECODE, sliding_window=40, soft_cap=2.0),
     Config("cpu", "bfloat16", 16, 2, 3, 40, DECODE),  # query heads in threes, D=40: a partial 32-float chunk
+    # Decode rows on AVX-512-BF16 take the two-pass path: query heads in threes, twos and ones, D of 1-4 x 32 words
+    Config("cpu", "bfloat16", 16, 3, 3, 64, DECODE),  # SmolLM2's heads
+    Config("cpu", "bfloat16", 32, 2, 4, 128, DECODE),
+    Config("cpu", "bfloat16", 16, 1, 2, 96, DECODE),
+    Config("cpu", "bfloat16", 8, 2, 1, 32, DECODE),
     GPU_F32,
     Config("gpu", "float32", 32, 3, 3, 32, DECODE),
     Config("gpu", "float32", 16, 2, 1, 24, PREFILL, sliding_window=40),  # D=24: lanes padded to 32

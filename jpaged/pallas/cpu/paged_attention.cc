@@ -291,6 +291,181 @@ inline void GroupAccumulate(int nq, float* acc, const float* correction, const f
   }
 }
 
+#if defined(__AVX512BF16__)
+// The sixteen sums of v[0..15]'s lanes as one vector (lane j: v[j]'s), by shuffles pairing the vectors: three
+// operations a sum instead of _mm512_reduce_add_ps's eight.
+inline __m512 Sums16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+#if defined(JPAGED_LIBMVEC)
+extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc's libmvec: expf on sixteen lanes
+inline __m512 Exp16(__m512 x) { return _ZGVeN16v_expf(x); }
+#else
+inline __m512 Exp16(__m512 x) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, x);
+  for (float& lane : lanes) lane = std::exp(lane);
+  return _mm512_load_ps(lanes);
+}
+#endif
+
+// Word indices that interleave two rows of 32 words (a, b) column by column: (a[i], b[i]) for i in [16h, 16h + 16).
+inline __m512i InterleaveIndex(int half) {
+  alignas(64) uint16_t index[32];
+  for (int i = 0; i < 16; ++i) {
+    index[2 * i] = static_cast<uint16_t>(16 * half + i);
+    index[2 * i + 1] = static_cast<uint16_t>(32 + 16 * half + i);
+  }
+  return _mm512_load_si512(index);
+}
+
+// One query row that sees every key up to its own (a decode row, or a prefill tile's lone last row), with no window
+// or soft cap, over bfloat16 pages on a CPU with AVX-512-BF16. Two passes instead of an online softmax: every key's
+// score first (vdpbf16ps dots, sixteen keys' sums at a time), one softmax over the whole row, then P.V by vdpbf16ps
+// on pairs of value rows against the weights rounded to bfloat16 (as a GPU's attention rounds them for its P.V
+// matmul). That is fewer operations a key than AttendItem's online softmax (its per-block maxima, rescaling and
+// scalar exps, a horizontal sum a dot, float32 P.V on widened rows): scripts/KERNELS.md has the A/B. DW is D / 32;
+// NG query heads of a group share each loaded pair of value rows.
+template <int DW, int NG>
+bool AttendRowOnWords(const Problem& p, const uint16_t* q_row, const uint16_t* k_layer, const uint16_t* v_layer,
+                      uint16_t* out_row, int seq, int num_keys, std::vector<float>& scratch) {
+  constexpr int D = 32 * DW;
+  const int G = p.group, Hk = p.num_kv_heads, B = p.block_size, Q = Hk * G;
+  const int padded = (num_keys + 31) / 32 * 32;  // a row's scores and weights: whole vectors and key pairs
+  const int64_t stride = static_cast<int64_t>(Hk) * D;  // words between a page's tokens
+  const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.table_width;
+  const int num_blocks = (num_keys + B - 1) / B;
+  for (int b = 0; b < num_blocks; ++b)
+    if (table[b] < 0 || table[b] >= p.num_blocks) return false;
+  scratch.resize(static_cast<size_t>(Q) * (padded * 3 / 2 + 1));
+  float* scores = scratch.data();                                       // [Q][padded]
+  float* inverse = scores + static_cast<size_t>(Q) * padded;            // [Q]: 1 / the sum of a row's weights
+  uint16_t* weights = reinterpret_cast<uint16_t*>(inverse + Q);         // [Q][padded]
+  auto page = [&](const uint16_t* layer, int b) { return layer + static_cast<int64_t>(table[b]) * B * stride; };
+  auto keys_in = [&](int b) { return std::min(B, num_keys - b * B); };
+  const int64_t block_bytes = static_cast<int64_t>(B) * stride * 2;
+  // Each block's K and V are read front to back before its dots (Touch), the next block's asked for into L1 and the
+  // one after's into L2 meanwhile, a head's share at a time, as AttendItem does; the values wait in L2 for pass 2.
+  auto prefetch = [&](int b, int h) {
+    const int64_t begin = block_bytes * h / Hk, end = block_bytes * (h + 1) / Hk;
+    for (int a = 1; a <= 2 && b + a < num_blocks; ++a) {
+      const char* k = reinterpret_cast<const char*>(page(k_layer, b + a));
+      const char* v = reinterpret_cast<const char*>(page(v_layer, b + a));
+      if (a == 1) Prefetch<3>(k, v, begin, end);
+      else Prefetch<1>(k, v, begin, end);
+    }
+  };
+
+  // Pass 1: scores[h * G + g][key] = scale * q . key.
+  for (int b = 0; b < num_blocks; ++b) {
+    const uint16_t* k_block = page(k_layer, b);
+    const int count = keys_in(b);
+    Touch(k_block, page(v_layer, b), block_bytes);
+    for (int h = 0; h < Hk; ++h) {
+      prefetch(b, h);
+      for (int g = 0; g < G; ++g) {
+        const uint16_t* q = q_row + (h * G + g) * D;
+        __m512bh qv[DW];
+        for (int c = 0; c < DW; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+        float* s = scores + static_cast<size_t>(h * G + g) * padded + b * B;
+        for (int j0 = 0; j0 < count; j0 += 16) {
+          const int n = std::min(16, count - j0);
+          __m512 sums[16];
+          for (int t = 0; t < 16; ++t) {
+            sums[t] = _mm512_setzero_ps();
+            if (t >= n) continue;
+            const uint16_t* key = k_block + (j0 + t) * stride + h * D;
+            for (int c = 0; c < DW; ++c)
+              sums[t] = _mm512_dpbf16_ps(sums[t], (__m512bh)_mm512_loadu_si512(key + 32 * c), qv[c]);
+          }
+          _mm512_mask_storeu_ps(s + j0, static_cast<__mmask16>((1u << n) - 1),
+                                _mm512_mul_ps(Sums16(sums), _mm512_set1_ps(p.scale)));
+        }
+      }
+    }
+  }
+
+  // The softmax of each query's row: weights rounded to bfloat16 (zero past the last key), and their float sum.
+  for (int i = 0; i < Q; ++i) {
+    const float* s = scores + static_cast<size_t>(i) * padded;
+    auto valid = [&](int j) {  // the lanes of keys [j, j + 16) that exist
+      return static_cast<__mmask16>(j + 16 <= num_keys ? 0xFFFF : (1u << std::max(0, num_keys - j)) - 1);
+    };
+    __m512 top = _mm512_set1_ps(kNeg);
+    for (int j = 0; j < num_keys; j += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, valid(j), s + j));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < padded; j += 16) {
+      const __mmask16 mask = valid(j);
+      const __m512 e = _mm512_maskz_mov_ps(mask, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), shift)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + static_cast<size_t>(i) * padded + j),
+                          (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    inverse[i] = 1.0f / std::max(_mm512_reduce_add_ps(sum), 1e-30f);
+  }
+
+  // Pass 2: P.V, two keys a step: their value rows interleaved column by column against their weights' pair.
+  const __m512i low = InterleaveIndex(0), high = InterleaveIndex(1);
+  for (int h = 0; h < Hk; ++h)
+    for (int g0 = 0; g0 < G; g0 += NG) {
+      __m512 acc[NG][2 * DW];
+      for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < 2 * DW; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int b = 0; b < num_blocks; ++b) {
+        const uint16_t* v_block = page(v_layer, b) + h * D;
+        const int count = keys_in(b);
+        for (int j = 0; j < count; j += 2) {
+          const uint16_t* row0 = v_block + j * stride;
+          const uint16_t* row1 = j + 1 < count ? row0 + stride : row0;  // an odd last key's pair weighs zero
+          __m512bh pairs[2 * DW];
+          for (int c = 0; c < DW; ++c) {
+            const __m512i a = _mm512_loadu_si512(row0 + 32 * c), r = _mm512_loadu_si512(row1 + 32 * c);
+            pairs[2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, low, r);
+            pairs[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, r);
+          }
+          const int key = b * B + j;
+          for (int g = 0; g < NG; ++g) {
+            uint32_t pair;
+            std::memcpy(&pair, weights + static_cast<size_t>(h * G + g0 + g) * padded + key, sizeof pair);
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+            for (int c = 0; c < 2 * DW; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pairs[c], w);
+          }
+        }
+      }
+      for (int g = 0; g < NG; ++g) {
+        const int i = h * G + g0 + g;
+        alignas(64) float row[D];
+        for (int c = 0; c < 2 * DW; ++c)
+          _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inverse[i])));
+        for (int d = 0; d < D; ++d) FromFloat(row[d], out_row + i * D + d);
+      }
+    }
+  return true;
+}
+
+// AttendRowOnWords for this problem's head dim and group, where it takes them.
+template <int DW>
+bool RowOnWords(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int seq,
+                int num_keys, std::vector<float>& scratch) {
+  if (p.group % 3 == 0 && DW <= 2) return AttendRowOnWords<DW, 3>(p, q, k, v, out, seq, num_keys, scratch);
+  if (p.group % 2 == 0) return AttendRowOnWords<DW, 2>(p, q, k, v, out, seq, num_keys, scratch);
+  return AttendRowOnWords<DW, 1>(p, q, k, v, out, seq, num_keys, scratch);
+}
+#endif
+
 // Attention of one item's rows (all heads) over its sequence's pages; returns false on a bad block id.
 template <typename T>
 bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer, T* out, const Item& item,
@@ -301,6 +476,23 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
   const int q_len = p.query_start[item.seq + 1] - q_start;
   const int first_pos = p.kv_lens[item.seq] - q_len + item.row0;
   const int last_pos = first_pos + item.rows - 1;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    if (item.rows == 1 && p.window <= 0 && p.soft_cap == 0.0f && B % 2 == 0 && D % 32 == 0 && D <= 128) {
+      const int64_t at = static_cast<int64_t>(q_start + item.row0) * Hk * G * D;
+      auto row = [&](auto dw) {
+        constexpr int DW = decltype(dw)::value;
+        return RowOnWords<DW>(p, q + at, k_layer, v_layer, out + at, item.seq, last_pos + 1, scratch);
+      };
+      switch (D / 32) {
+        case 1: return row(std::integral_constant<int, 1>{});
+        case 2: return row(std::integral_constant<int, 2>{});
+        case 3: return row(std::integral_constant<int, 3>{});
+        default: return row(std::integral_constant<int, 4>{});
+      }
+    }
+  }
+#endif
   const int64_t row_stride = static_cast<int64_t>(Hk) * D;  // between tokens of a page
 
   const int n8 = n / 8 * 8;  // query vectors taken eight at a time (prefill tiles); the rest in small groups
