@@ -356,9 +356,12 @@ bool AttendRowOnWords(const Problem& p, const uint16_t* q_row, const uint16_t* k
   auto page = [&](const uint16_t* layer, int b) { return layer + static_cast<int64_t>(table[b]) * B * stride; };
   auto keys_in = [&](int b) { return std::min(B, num_keys - b * B); };
   const int64_t block_bytes = static_cast<int64_t>(B) * stride * 2;
+  const bool stream = 2 * block_bytes <= kStreamBytes;
   // Each block's K and V are read front to back before its dots (Touch), the next block's asked for into L1 and the
-  // one after's into L2 meanwhile, a head's share at a time, as AttendItem does; the values wait in L2 for pass 2.
+  // one after's into L2 meanwhile, a head's share at a time, as AttendItem does (and, as there, only for blocks it
+  // streams); the values wait in L2 for pass 2.
   auto prefetch = [&](int b, int h) {
+    if (!stream) return;
     const int64_t begin = block_bytes * h / Hk, end = block_bytes * (h + 1) / Hk;
     for (int a = 1; a <= 2 && b + a < num_blocks; ++a) {
       const char* k = reinterpret_cast<const char*>(page(k_layer, b + a));
@@ -372,7 +375,7 @@ bool AttendRowOnWords(const Problem& p, const uint16_t* q_row, const uint16_t* k
   for (int b = 0; b < num_blocks; ++b) {
     const uint16_t* k_block = page(k_layer, b);
     const int count = keys_in(b);
-    Touch(k_block, page(v_layer, b), block_bytes);
+    if (stream) Touch(k_block, page(v_layer, b), block_bytes);
     for (int h = 0; h < Hk; ++h) {
       prefetch(b, h);
       for (int g = 0; g < G; ++g) {
