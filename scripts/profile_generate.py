@@ -7,6 +7,7 @@ whose custom calls take over `--long-ms` is counted as prefill. The profiler slo
 
   python scripts/profile_generate.py                      # workload (a): 64 x 128 ids in, 128 out, float32
   python scripts/profile_generate.py --dtype bfloat16 --mixed
+  python scripts/profile_generate.py --dtype bfloat16 --block-size 64
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--mixed", action="store_true", help="workload (b): 16..256 tokens out")
+    parser.add_argument("--block-size", type=int, default=16, help="the engine's KV block size")
     parser.add_argument(
         "--long-ms", type=float, default=500.0, help="custom-call time that makes a prefill step"
     )
@@ -105,7 +107,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    llm = jpaged.LLM(max_model_len=2048, dtype=args.dtype)
+    llm = jpaged.LLM(max_model_len=2048, dtype=args.dtype, block_size=args.block_size)
     prompts, lengths = workload(args.mixed)
 
     def params(n: int) -> jpaged.SamplingParams:
