@@ -297,8 +297,17 @@ class ModelRunner:
                 lambda: jnp.zeros(shape, dtype), out_shardings=sharding
             )()
         mc = self.model_config
-        kv_cache = init_kv_cache(mc, self.num_blocks, self.block_size, self.kv_dtype, allocate)
-        return _in_huge_pages(kv_cache, "KV pool")
+        kv_cache = _in_huge_pages(
+            init_kv_cache(mc, self.num_blocks, self.block_size, self.kv_dtype, allocate), "KV pool"
+        )
+        if allocate is cpu_attention.uninitialized:
+            # Committed before the first request, as much as a full batch of max_model_len sequences can hold: its
+            # writes then never fault a page in (cpu/attention.py). The rest, prefix cache only, maps in as written.
+            start = time.perf_counter()
+            blocks = 1 + self.config.max_num_seqs * self.max_blocks_per_seq
+            mapped = cpu_attention.map_in_first_blocks(kv_cache, blocks)
+            logger.info("KV pool: %.0f MiB mapped in, in %.1f s", mapped / 2**20, time.perf_counter() - start)
+        return kv_cache
 
     def update_weights(self, params: dict) -> None:
         """Run on these weights from the next step (the loaders' layout; the engine checks that they match the

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.pallas.common import check_inputs, over_pages
-from jpaged.pallas.cpu import library
+from jpaged.pallas.cpu import huge_pages, library
 
 _TARGET = "jpaged_paged_attention"
 _UNINITIALIZED_TARGET = "jpaged_uninitialized"
@@ -27,6 +27,26 @@ def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
     mapped in as blocks are first written."""
     library.require()
     return jax.jit(jax.ffi.ffi_call(_UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(shape, dtype)))()
+
+
+def map_in_first_blocks(kv_cache, count: int) -> int:
+    """Map in the memory of blocks [0, count) of every layer of an `uninitialized` pool [L, N, B, Hk, D] (each CPU
+    buffer of it), as writes would, without writing; returns the bytes mapped in (0 where the OS cannot).
+
+    Each page of such a pool is otherwise mapped in when a step first writes it: a page fault inside the step's KV
+    write, which the step's other threads wait on, and in a VM the host's first touch of that memory too
+    (scripts/KERNELS.md: ~10% of a fresh engine's first batches). Blocks are handed out from the lowest free one
+    (core/block_pool.py), so the first `count` are the ones a start-up's batches write."""
+    done = 0
+    for buffer in huge_pages.cpu_buffers(kv_cache):
+        layers, num_blocks = buffer.shape[:2]
+        layer_bytes = buffer.nbytes // layers
+        length = layer_bytes // num_blocks * min(count, num_blocks)
+        for layer in range(layers):
+            if not huge_pages.populate(buffer.unsafe_buffer_pointer() + layer * layer_bytes, length):
+                return done
+            done += length
+    return done
 
 
 def check_layout(head_dim: int, dtype) -> None:

@@ -7,6 +7,7 @@ Memory nothing has written yet (the pool, jpaged/pallas/cpu/attention.py) is the
 first written: at no cost. Memory already written (the weights) is moved into them by the kernel's khugepaged in
 the background, over minutes; moving it at once (MADV_COLLAPSE) costs seconds of every start and weight update
 for a gain too small to measure (scripts/KERNELS.md). Where the OS has no huge pages, the arrays stay as they are.
+`populate` maps memory in before it is first written, for what must not pay that on a request's path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import jax
 
 HUGE_PAGE = 1 << 21
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_PAGE = 4096  # madvise's unit: its start must be a multiple
 
 
 def _madvise():
@@ -59,3 +62,11 @@ def advise(arrays) -> int:
         if length and _MADVISE(start, length, _MADV_HUGEPAGE) == 0:
             done += length
     return done
+
+
+def populate(start: int, length: int) -> bool:
+    """Map in the whole pages inside [start, start + length) as a write would, without writing them
+    (MADV_POPULATE_WRITE); False where the OS cannot (not Linux, a kernel before 5.14)."""
+    first = -(-start // _PAGE) * _PAGE
+    end = (start + length) // _PAGE * _PAGE
+    return _MADVISE is not None and (end <= first or _MADVISE(first, end - first, _MADV_POPULATE_WRITE) == 0)

@@ -1,0 +1,84 @@
+"""The CPU kernel's KV pool is never zero-filled; at start-up the engine maps in the blocks a full batch of
+max_model_len sequences can hold (every layer's K and V), so no step of such a batch faults a page in, and leaves the
+rest (prefix cache only) to be mapped in as written. Mapping in writes nothing."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpaged import LLM
+from jpaged.pallas.cpu import attention as cpu_attention
+from jpaged.pallas.cpu import huge_pages
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or jax.default_backend() != "cpu",
+    reason="mapping memory in ahead is Linux's madvise, on the CPU backend's buffers",
+)
+PAGE = 4096
+
+
+def resident(start: int, length: int) -> np.ndarray:
+    """Whether each whole page of [start, start + length) is mapped in (mincore)."""
+    first, end = -(-start // PAGE) * PAGE, (start + length) // PAGE * PAGE
+    pages = (ctypes.c_ubyte * ((end - first) // PAGE))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(first, end - first, pages) == 0, ctypes.get_errno()
+    return np.frombuffer(pages, np.uint8) & 1 == 1
+
+
+def block_ranges(pool: jax.Array, first: int, end: int) -> list[tuple[int, int]]:
+    """(address, bytes) of blocks [first, end) in every layer of a pool [L, N, B, Hk, D]."""
+    layers, num_blocks = pool.shape[:2]
+    layer_bytes = pool.nbytes // layers
+    block_bytes = layer_bytes // num_blocks
+    base = pool.unsafe_buffer_pointer()
+    return [
+        (base + layer * layer_bytes + first * block_bytes, (end - first) * block_bytes)
+        for layer in range(layers)
+    ]
+
+
+def test_the_first_blocks_of_every_layer_are_mapped_in_and_the_rest_is_not():
+    pool = cpu_attention.uninitialized((3, 2048, 16, 2, 64), jnp.float32)  # 8 KiB blocks, 16 MiB layers
+    assert cpu_attention.map_in_first_blocks([pool], 100) == 3 * 100 * 8192
+    for start, length in block_ranges(pool, 0, 100):
+        assert resident(start, length).all()
+    for start, length in block_ranges(
+        pool, 400, 1700
+    ):  # 2 MiB clear of them: where the OS maps in huge pages
+        assert not resident(start, length).any()
+
+
+def test_mapping_in_keeps_what_the_memory_holds():
+    values = np.random.default_rng(0).standard_normal((2, 64, 16, 2, 64)).astype(np.float32)
+    pool = jnp.asarray(values)
+    cpu_attention.map_in_first_blocks([pool], 64)
+    np.testing.assert_array_equal(np.asarray(pool), values)
+    assert huge_pages.populate(
+        pool.unsafe_buffer_pointer(), 10
+    )  # less than a page: nothing to do, not a failure
+
+
+def test_the_engine_maps_in_a_full_batch_worth_of_blocks_at_start_up(tiny_model_dir):
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_blocks=4096,
+    )
+    runner = llm.engine.runner
+    batch_blocks = 1 + 4 * runner.max_blocks_per_seq
+    for pool in runner.kv_cache:
+        for start, length in block_ranges(pool, 0, batch_blocks):
+            assert resident(start, length).all()
+        # the last layer's blocks well past them (its huge pages' edges aside) are not
+        start, length = block_ranges(pool, batch_blocks + 2048, 4096)[-1]
+        assert not resident(start, length).any()
