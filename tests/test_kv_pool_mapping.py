@@ -20,16 +20,16 @@ pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or jax.default_backend() != "cpu",
     reason="mapping memory in ahead is Linux's madvise, on the CPU backend's buffers",
 )
-PAGE = 4096
+PAGE = huge_pages.PAGE
 
 
 def resident(start: int, length: int) -> np.ndarray:
     """Whether each whole page of [start, start + length) is mapped in (mincore)."""
-    first, end = -(-start // PAGE) * PAGE, (start + length) // PAGE * PAGE
-    pages = (ctypes.c_ubyte * ((end - first) // PAGE))()
+    first, whole = huge_pages.aligned_span(start, length, PAGE)
+    pages = (ctypes.c_ubyte * (whole // PAGE))()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert libc.mincore(first, end - first, pages) == 0, ctypes.get_errno()
+    assert libc.mincore(first, whole, pages) == 0, ctypes.get_errno()
     return np.frombuffer(pages, np.uint8) & 1 == 1
 
 
@@ -48,27 +48,24 @@ def block_ranges(pool: jax.Array, first: int, end: int) -> list[tuple[int, int]]
 def dropped(pool: jax.Array) -> jax.Array:
     """`pool` with the whole pages under it given back to the OS (MADV_DONTNEED): a fresh buffer may lie in memory
     an earlier one mapped in, and only what maps them in again should make them resident."""
-    start, length = pool.unsafe_buffer_pointer(), pool.nbytes
-    first, end = -(-start // PAGE) * PAGE, (start + length) // PAGE * PAGE
+    first, whole = huge_pages.aligned_span(pool.unsafe_buffer_pointer(), pool.nbytes, PAGE)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    assert libc.madvise(first, end - first, 4) == 0, ctypes.get_errno()  # MADV_DONTNEED
+    assert libc.madvise(first, whole, 4) == 0, ctypes.get_errno()  # MADV_DONTNEED
     return pool
 
 
 def test_the_first_blocks_of_every_layer_are_mapped_in_and_the_rest_is_not():
-    pool = dropped(
-        cpu_attention.uninitialized((3, 2048, 16, 2, 64), jnp.float32)
-    )  # 8 KiB blocks, 16 MiB layers
+    # 8 KiB blocks, 16 MiB layers
+    pool = dropped(cpu_attention.uninitialized((3, 2048, 16, 2, 64), jnp.float32))
     mapped = cpu_attention.map_in_first_blocks([pool], 100)
     if mapped == 0 and not huge_pages.populate(pool.unsafe_buffer_pointer(), 2 * PAGE):
         pytest.skip("this kernel cannot map memory in ahead (MADV_POPULATE_WRITE came with Linux 5.14)")
     assert mapped == 3 * 100 * 8192
     for start, length in block_ranges(pool, 0, 100):
         assert resident(start, length).all()
-    for start, length in block_ranges(
-        pool, 400, 1700
-    ):  # 2 MiB clear of them: where the OS maps in huge pages
+    # 2 MiB clear of them: the OS may map in the huge pages around them whole
+    for start, length in block_ranges(pool, 400, 1700):
         assert not resident(start, length).any()
 
 
@@ -77,9 +74,8 @@ def test_mapping_in_keeps_what_the_memory_holds():
     pool = jnp.asarray(values)
     cpu_attention.map_in_first_blocks([pool], 64)
     np.testing.assert_array_equal(np.asarray(pool), values)
-    assert huge_pages.populate(
-        pool.unsafe_buffer_pointer(), 10
-    )  # less than a page: nothing to do, not a failure
+    # less than a page: nothing to do, not a failure
+    assert huge_pages.populate(pool.unsafe_buffer_pointer(), 10)
 
 
 def test_the_engine_maps_in_a_full_batch_worth_of_blocks_at_start_up(tiny_model_dir, monkeypatch):

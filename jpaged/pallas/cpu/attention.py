@@ -40,10 +40,10 @@ def map_in_first_blocks(kv_cache, count: int) -> int:
     done = 0
     for buffer in huge_pages.cpu_buffers(kv_cache):
         layers, num_blocks = buffer.shape[:2]
-        layer_bytes = buffer.nbytes // layers
+        base, layer_bytes = buffer.unsafe_buffer_pointer(), buffer.nbytes // layers
         length = layer_bytes // num_blocks * min(count, num_blocks)
         for layer in range(layers):
-            if not huge_pages.populate(buffer.unsafe_buffer_pointer() + layer * layer_bytes, length):
+            if not huge_pages.populate(base + layer * layer_bytes, length):
                 return done
             done += length
     return done

@@ -21,7 +21,7 @@ import jax
 HUGE_PAGE = 1 << 21
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
-_PAGE = 4096  # madvise's unit: its start must be a multiple
+PAGE = 4096  # madvise's unit: its start must be a multiple
 
 
 def _madvise():
@@ -44,10 +44,11 @@ def cpu_buffers(arrays) -> Iterable[jax.Array]:
                 yield shard.data
 
 
-def aligned_span(pointer: int, nbytes: int) -> tuple[int, int]:
-    """The whole huge pages inside [pointer, pointer + nbytes): (start, length), length 0 where there are none."""
-    start = -(-pointer // HUGE_PAGE) * HUGE_PAGE
-    end = (pointer + nbytes) // HUGE_PAGE * HUGE_PAGE
+def aligned_span(pointer: int, nbytes: int, page: int = HUGE_PAGE) -> tuple[int, int]:
+    """The whole pages of `page` bytes inside [pointer, pointer + nbytes): (start, length), length 0 where there
+    are none."""
+    start = -(-pointer // page) * page
+    end = (pointer + nbytes) // page * page
     return start, max(0, end - start)
 
 
@@ -67,6 +68,5 @@ def advise(arrays) -> int:
 def populate(start: int, length: int) -> bool:
     """Map in the whole pages inside [start, start + length) as a write would, without writing them
     (MADV_POPULATE_WRITE); False where the OS cannot (not Linux, a kernel before 5.14)."""
-    first = -(-start // _PAGE) * _PAGE
-    end = (start + length) // _PAGE * _PAGE
-    return _MADVISE is not None and (end <= first or _MADVISE(first, end - first, _MADV_POPULATE_WRITE) == 0)
+    first, whole = aligned_span(start, length, PAGE)
+    return _MADVISE is not None and (not whole or _MADVISE(first, whole, _MADV_POPULATE_WRITE) == 0)
