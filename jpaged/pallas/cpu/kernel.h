@@ -48,7 +48,9 @@ inline float Sum(V8 v) { return (v[0] + v[4]) + (v[1] + v[5]) + ((v[2] + v[6]) +
 // Runs work(i) for i in [0, count) on the calling thread and the pool's. Items are claimed one at a time; the caller
 // waits only for items already claimed, so a helper that starts after all are taken finds nothing (and touches only
 // the shared counters, which it co-owns), and no deadlock is possible. Returns false if any work(i) did.
-template <typename Work>
+// With kClaimAhead, each thread claims its next item as it starts one and calls work(i, next) (next -1 if none), so
+// a kernel can ask for that item's memory while it computes; a thread then holds one item the others cannot take.
+template <bool kClaimAhead = false, typename Work>
 bool ParallelFor(ffi::ThreadPool& pool, int count, Work work) {
   struct Progress {
     std::atomic<int> next{0}, done{0};
@@ -56,9 +58,15 @@ bool ParallelFor(ffi::ThreadPool& pool, int count, Work work) {
   };
   auto progress = std::make_shared<Progress>();
   auto run = [progress, count, work]() {
-    for (int i; (i = progress->next.fetch_add(1)) < count;) {
-      if (!work(i)) progress->failed = true;
+    auto claim = [&progress] { return progress->next.fetch_add(1); };
+    for (int i = claim(); i < count;) {
+      const int following = kClaimAhead ? claim() : count;
+      bool ok;
+      if constexpr (kClaimAhead) ok = work(i, following < count ? following : -1);
+      else ok = work(i);
+      if (!ok) progress->failed = true;
       progress->done.fetch_add(1, std::memory_order_release);
+      i = kClaimAhead ? following : claim();
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;

@@ -122,12 +122,25 @@ inline __m512i PairIndex() {
   return _mm512_load_si512(index);
 }
 
+// Sixteen sums stored to the columns of `mask`: as they are, or rounded to bfloat16 as FromFloat rounds (to nearest
+// even, by integer arithmetic on the bits, four vector operations instead of sixteen scalar roundings).
+inline void StoreSums(__m512 sums, float* out, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, sums); }
+inline void StoreSums(__m512 sums, uint16_t* out, __mmask16 mask) {
+  const __m512i bits = _mm512_castps_si512(sums);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
 // NP adjacent panels (NP x 16 columns) at once: NP x MR accumulators, each broadcast of x feeding NP products,
 // enough independent chains to cover vdpbf16ps's latency. A first block asks for the panels' rows kAhead early: a
 // bfloat16 row is half a float32 one, and the shorter distance left decode-sized products waiting on memory
-// (scripts/KERNELS.md).
+// (scripts/KERNELS.md). The later blocks, which find the panels in cache, ask for the thread's next item's panels
+// (`ahead`) into L2, block `phase` of `period` every period-th pair of rows: without it that item's first block
+// waits on memory: one block's arithmetic takes the panels in faster than one core's reads from memory bring them.
 template <int MR, int NP, bool kFirst, typename Out>
-inline void DotBlock(const uint16_t* x, int K, const uint16_t* panel, Out* out, int64_t ldo, int width) {
+inline void DotBlock(const uint16_t* x, int K, const uint16_t* panel, Out* out, int64_t ldo, int width,
+                     const uint16_t* ahead = nullptr, int phase = 0, int period = 1) {
   constexpr int kAhead = 64;
   const __m512i pairs = PairIndex();
   const int64_t panel_words = static_cast<int64_t>(K) * kPanel;
@@ -145,11 +158,14 @@ inline void DotBlock(const uint16_t* x, int K, const uint16_t* panel, Out* out, 
       for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_dpbf16_ps(acc[p][m], w[p], b);
     }
   };
-  int k = 0;
+  int k = 0, due = ahead ? 2 * phase : K;  // the next k whose rows of `ahead` this block asks for
   for (; k + 1 < K; k += 2) {
+    const bool fetch_ahead = k == due;
+    if (fetch_ahead) due += 2 * period;
     __m512i rows[NP];
     for (int p = 0; p < NP; ++p) {
       if (kFirst) __builtin_prefetch(panel + p * panel_words + (k + kAhead) * kPanel);
+      if (fetch_ahead) __builtin_prefetch(ahead + p * panel_words + k * kPanel, 0, 1);
       rows[p] = _mm512_loadu_si512(panel + p * panel_words + k * kPanel);
     }
     step(rows, [&](int m) {
@@ -164,24 +180,22 @@ inline void DotBlock(const uint16_t* x, int K, const uint16_t* panel, Out* out, 
     step(rows, [&](int m) { return int{x[m * K + k]}; });
   }
   for (int p = 0; p < NP; ++p) {
-    const int columns = p + 1 < NP ? kPanel : width;
+    const __mmask16 columns = p + 1 < NP ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      float row[kPanel];
-      _mm512_storeu_ps(row, acc[p][m]);
-      StoreRow(Load(row), Load(row + 8), out + p * kPanel + m * ldo, columns);
-    }
+    for (int m = 0; m < MR; ++m) StoreSums(acc[p][m], out + p * kPanel + m * ldo, columns);
   }
 }
 
 // x stays bfloat16 here (KernelRows); every row block reads the panels as they are. NP panels side by side, the
 // last one `width` columns wide.
 template <int NP, typename Out>
-void Panels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
+void Panels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width,
+            const uint16_t* ahead) {
   ForRowBlocks<kDotRowBlock>(rows, 0, [&](auto mr, int m) {
     constexpr int MR = decltype(mr)::value;
     if (m == 0) return DotBlock<MR, NP, true>(x, K, panel, out, N, width);
-    DotBlock<MR, NP, false>(x + m * K, K, panel, out + m * N, N, width);
+    const int later = (rows - 1) / kDotRowBlock;  // the blocks after the first, which share `ahead`'s reads
+    DotBlock<MR, NP, false>(x + m * K, K, panel, out + m * N, N, width, ahead, m / kDotRowBlock - 1, later);
   });
 }
 
@@ -204,17 +218,18 @@ constexpr const char* kBfloat16Arithmetic = "";  // none: widened to float32
 
 // A work item's `count` adjacent panels, the last `width` columns wide.
 template <typename X, typename T, typename Out>
-void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width) {
+void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T*) {
   for (int p = 0; p < count; ++p)
     Panel(x, rows, K, panel + static_cast<int64_t>(p) * K * kPanel, out + p * kPanel, N,
           p + 1 < count ? kPanel : width);
 }
 #if defined(__AVX512BF16__)
 template <typename Out>
-void ItemPanels(const uint16_t* x, int rows, int K, const uint16_t* panel, int count, Out* out, int N, int width) {
+void ItemPanels(const uint16_t* x, int rows, int K, const uint16_t* panel, int count, Out* out, int N, int width,
+                const uint16_t* ahead) {
   static_assert(kPanelsPerItem == 2);
-  if (count == 2) return Panels<2>(x, rows, K, panel, out, N, width);
-  Panels<1>(x, rows, K, panel, out, N, width);
+  if (count == 2) return Panels<2>(x, rows, K, panel, out, N, width, ahead);
+  Panels<1>(x, rows, K, panel, out, N, width, ahead);
 }
 #endif
 
@@ -237,11 +252,12 @@ void Run(ffi::ThreadPool& pool, const T* x_in, const T* panels, Out* out, int M,
   const auto* x = KernelRows(x_in, static_cast<int64_t>(rows) * K, buffer);
   const int num_panels = (N + kPanel - 1) / kPanel;
   const int num_items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
-  ParallelFor(pool, num_items, [&](int item) {
+  auto item_panels = [&](int item) { return panels + static_cast<int64_t>(item) * kPanelsPerItem * K * kPanel; };
+  ParallelFor</*kClaimAhead=*/true>(pool, num_items, [&](int item, int next) {
     const int last = std::min(num_panels, (item + 1) * kPanelsPerItem);
     const int first = item * kPanelsPerItem;
-    ItemPanels(x, rows, K, panels + static_cast<int64_t>(first) * K * kPanel, last - first, out + first * kPanel, N,
-               std::min(kPanel, N - (last - 1) * kPanel));
+    ItemPanels(x, rows, K, item_panels(item), last - first, out + first * kPanel, N,
+               std::min(kPanel, N - (last - 1) * kPanel), next < 0 ? nullptr : item_panels(next));
     return true;
   });
 }
