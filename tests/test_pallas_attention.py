@@ -84,6 +84,11 @@ CONFIGS = [
     Config("cpu", "bfloat16", 32, 2, 4, 128, DECODE),
     Config("cpu", "bfloat16", 16, 1, 2, 96, DECODE),
     Config("cpu", "bfloat16", 8, 2, 1, 32, DECODE),
+    # Prefill tiles on AVX-512-BF16 take the sixteen-queries-a-register path: SmolLM2's heads (three registers a KV
+    # head), one query head a KV head (one register, part-filled tiles), eight (passes of three, three and two)
+    Config("cpu", "bfloat16", 16, 3, 3, 64, PREFILL),
+    Config("cpu", "bfloat16", 8, 2, 1, 32, PREFILL),
+    Config("cpu", "bfloat16", 32, 1, 8, 96, PREFILL),
     GPU_F32,
     Config("gpu", "float32", 32, 3, 3, 32, DECODE),
     Config("gpu", "float32", 16, 2, 1, 24, PREFILL, sliding_window=40),  # D=24: lanes padded to 32

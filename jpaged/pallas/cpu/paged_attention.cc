@@ -459,6 +459,164 @@ bool AttendRowOnWords(const Problem& p, const uint16_t* q_row, const uint16_t* k
   return true;
 }
 
+// A prefill tile's query rows (more than one) with no window or soft cap, over bfloat16 pages on a CPU with
+// AVX-512-BF16, as the matmul kernel multiplies: sixteen query vectors a register. Their (d, d + 1) word pairs are
+// laid out once per KV head as panels (`panel`, [NG][D/2][16] words), and each key's pairs are broadcast straight
+// from its page against them, so a vdpbf16ps gives sixteen queries' partial dots and no block is transposed or
+// widened. The online softmax then runs across sixteen queries a register (a key's masks, maxima and exps for all of
+// them at once), and P.V is a product of the weights, rounded to bfloat16 in (key, key + 1) pairs, against the
+// value rows interleaved in pairs and broadcast a word at a time. `base` is the pass's first query vector of this
+// KV head (query i: the tile's row i / G, head h * G + i % G); NG registers of queries at a time.
+template <int DW, int NG>
+void AttendQueriesOnWords(const Problem& p, const uint16_t* q_rows, const uint16_t* k_layer, const uint16_t* v_layer,
+                          uint16_t* out_rows, int h, int base, int n, int first_pos, const int32_t* table,
+                          int num_blocks, float* scratch) {
+  constexpr int D = 32 * DW, kPairs = D / 2, kLanes = 16;
+  const int G = p.group, Hk = p.num_kv_heads, B = p.block_size;
+  const int64_t stride = static_cast<int64_t>(Hk) * D;  // words between a page's tokens, and between query rows' heads
+  uint32_t* panel = reinterpret_cast<uint32_t*>(scratch);             // [NG][kPairs][16]
+  float* acc = scratch + NG * kPairs * kLanes;                        // [D][NG][16]
+  float* scores = acc + D * NG * kLanes;                              // [B][NG][16]
+  uint32_t* weights = reinterpret_cast<uint32_t*>(scores + B * NG * kLanes);  // [B / 2][NG][16]
+  uint32_t* values = weights + B / 2 * NG * kLanes;                  // [B / 2][D]
+  __m512i pos[NG];  // each lane's query position; -1 for lanes past the tile's queries, which then see nothing
+  for (int g = 0; g < NG; ++g) {
+    alignas(64) int32_t lanes[kLanes];
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int i = base + g * kLanes + lane;
+      lanes[lane] = i < n ? first_pos + i / G : -1;
+      for (int t = 0; t < kPairs; ++t) {
+        uint32_t word = 0;
+        if (i < n) std::memcpy(&word, q_rows + (i / G) * Hk * G * D + (h * G + i % G) * D + 2 * t, sizeof word);
+        panel[(g * kPairs + t) * kLanes + lane] = word;
+      }
+    }
+    pos[g] = _mm512_load_si512(lanes);
+  }
+  std::fill(acc, acc + D * NG * kLanes, 0.0f);
+  __m512 max[NG], sum[NG], correction[NG];
+  for (int g = 0; g < NG; ++g) max[g] = _mm512_set1_ps(kNeg), sum[g] = _mm512_setzero_ps();
+  const __m512i low = InterleaveIndex(0), high = InterleaveIndex(1);
+  // (i, 16 + i), one register's two halves interleaved: low's (i, 32 + i) with 16 taken off the odd words
+  const __m512i pair_lanes = _mm512_mask_sub_epi16(low, 0xAAAAAAAAu, low, _mm512_set1_epi16(16));
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  for (int b = 0; b < num_blocks; ++b) {
+    const int key0 = b * B, count = std::min(B, first_pos + (n - 1) / G + 1 - key0);
+    const uint16_t* k_block = k_layer + static_cast<int64_t>(table[b]) * B * stride + h * D;
+    const uint16_t* v_block = v_layer + static_cast<int64_t>(table[b]) * B * stride + h * D;
+    // Scores of four keys at a time (a short last four repeats its last key).
+    for (int j0 = 0; j0 < count; j0 += 4) {
+      __m512 s[4][NG];
+      for (int t = 0; t < 4; ++t)
+        for (int g = 0; g < NG; ++g) s[t][g] = _mm512_setzero_ps();
+      const uint16_t* key[4];
+      for (int t = 0; t < 4; ++t) key[t] = k_block + std::min(j0 + t, count - 1) * stride;
+      for (int c = 0; c < kPairs; ++c) {
+        __m512bh qv[NG];
+        for (int g = 0; g < NG; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(panel + (g * kPairs + c) * kLanes);
+        for (int t = 0; t < 4; ++t) {
+          uint32_t word;
+          std::memcpy(&word, key[t] + 2 * c, sizeof word);
+          const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+          for (int g = 0; g < NG; ++g) s[t][g] = _mm512_dpbf16_ps(s[t][g], qv[g], kv);
+        }
+      }
+      for (int t = 0; t < 4 && j0 + t < count; ++t)
+        for (int g = 0; g < NG; ++g) _mm512_storeu_ps(scores + ((j0 + t) * NG + g) * kLanes, _mm512_mul_ps(s[t][g], scale));
+    }
+    // The online softmax, sixteen queries a register: keys past a query's position are masked out.
+    for (int g = 0; g < NG; ++g) {
+      __m512 block_max = _mm512_set1_ps(kNeg);
+      for (int j = 0; j < count; ++j) {
+        const __mmask16 visible = _mm512_cmpge_epi32_mask(pos[g], _mm512_set1_epi32(key0 + j));
+        float* s = scores + (j * NG + g) * kLanes;
+        block_max = _mm512_mask_max_ps(block_max, visible, block_max, _mm512_loadu_ps(s));
+      }
+      const __m512 new_max = _mm512_max_ps(max[g], block_max);
+      correction[g] = Exp16(_mm512_sub_ps(max[g], new_max));
+      max[g] = new_max;
+      __m512 block_sum = _mm512_setzero_ps();
+      for (int j = 0; j < count; ++j) {
+        const __mmask16 visible = _mm512_cmpge_epi32_mask(pos[g], _mm512_set1_epi32(key0 + j));
+        float* s = scores + (j * NG + g) * kLanes;
+        const __m512 e = _mm512_maskz_mov_ps(visible, Exp16(_mm512_sub_ps(_mm512_loadu_ps(s), new_max)));
+        block_sum = _mm512_add_ps(block_sum, e);
+        _mm512_storeu_ps(s, e);
+      }
+      sum[g] = _mm512_add_ps(_mm512_mul_ps(sum[g], correction[g]), block_sum);
+      for (int j = 0; j < count; j += 2) {  // (key j, key j + 1) weight pairs; an odd last key's partner weighs 0
+        const __m512 a = _mm512_loadu_ps(scores + (j * NG + g) * kLanes);
+        const __m512 r = j + 1 < count ? _mm512_loadu_ps(scores + ((j + 1) * NG + g) * kLanes) : _mm512_setzero_ps();
+        const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(r, a);  // a's sixteen words, then r's
+        _mm512_storeu_si512(weights + (j / 2 * NG + g) * kLanes, _mm512_permutexvar_epi16(pair_lanes, words));
+      }
+    }
+    // The value rows in (key j, key j + 1) word pairs, column by column.
+    for (int j = 0; j < count; j += 2) {
+      const uint16_t* row0 = v_block + j * stride;
+      const uint16_t* row1 = j + 1 < count ? row0 + stride : row0;
+      for (int c = 0; c < DW; ++c) {
+        const __m512i a = _mm512_loadu_si512(row0 + 32 * c), r = _mm512_loadu_si512(row1 + 32 * c);
+        _mm512_storeu_si512(values + j / 2 * D + 32 * c, _mm512_permutex2var_epi16(a, low, r));
+        _mm512_storeu_si512(values + j / 2 * D + 32 * c + 16, _mm512_permutex2var_epi16(a, high, r));
+      }
+    }
+    // P.V, eight columns at a time: acc[d] = acc[d] * correction + sum over key pairs of weights . values[d].
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m512 a[8][NG];
+      for (int dd = 0; dd < 8; ++dd)
+        for (int g = 0; g < NG; ++g)
+          a[dd][g] = _mm512_mul_ps(_mm512_loadu_ps(acc + ((d0 + dd) * NG + g) * kLanes), correction[g]);
+      for (int j = 0; j < count; j += 2) {
+        __m512bh w[NG];
+        for (int g = 0; g < NG; ++g) w[g] = (__m512bh)_mm512_loadu_si512(weights + (j / 2 * NG + g) * kLanes);
+        for (int dd = 0; dd < 8; ++dd) {
+          const __m512bh v = (__m512bh)_mm512_set1_epi32(static_cast<int>(values[j / 2 * D + d0 + dd]));
+          for (int g = 0; g < NG; ++g) a[dd][g] = _mm512_dpbf16_ps(a[dd][g], w[g], v);
+        }
+      }
+      for (int dd = 0; dd < 8; ++dd)
+        for (int g = 0; g < NG; ++g) _mm512_storeu_ps(acc + ((d0 + dd) * NG + g) * kLanes, a[dd][g]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    alignas(64) float inverse[kLanes];
+    _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(sum[g], _mm512_set1_ps(1e-30f))));
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int i = base + g * kLanes + lane;
+      if (i >= n) break;
+      uint16_t* dst = out_rows + (i / G) * Hk * G * D + (h * G + i % G) * D;
+      for (int d = 0; d < D; ++d) FromFloat(acc[(d * NG + g) * kLanes + lane] * inverse[lane], dst + d);
+    }
+  }
+}
+
+// A tile's rows by AttendQueriesOnWords, each KV head's query vectors in passes of up to three registers.
+template <int DW>
+bool TileOnWords(const Problem& p, const uint16_t* q_rows, const uint16_t* k_layer, const uint16_t* v_layer,
+                 uint16_t* out_rows, int seq, int rows, int first_pos, std::vector<float>& scratch) {
+  constexpr int kMaxRegisters = 3, kLanes = 16, D = 32 * DW;
+  const int n = rows * p.group, B = p.block_size;
+  const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.table_width;
+  const int num_blocks = (first_pos + rows - 1) / B + 1;
+  for (int b = 0; b < num_blocks; ++b)
+    if (table[b] < 0 || table[b] >= p.num_blocks) return false;
+  scratch.resize(static_cast<size_t>(kMaxRegisters) * kLanes * (D / 2 + D + B + B / 2) + static_cast<size_t>(B / 2) * D);
+  for (int h = 0; h < p.num_kv_heads; ++h)
+    for (int base = 0; base < n; base += kMaxRegisters * kLanes) {
+      auto pass = [&](auto ng) {
+        AttendQueriesOnWords<DW, decltype(ng)::value>(p, q_rows, k_layer, v_layer, out_rows, h, base, n, first_pos,
+                                                      table, num_blocks, scratch.data());
+      };
+      switch (std::min(kMaxRegisters, (n - base + kLanes - 1) / kLanes)) {
+        case 1: pass(std::integral_constant<int, 1>{}); break;
+        case 2: pass(std::integral_constant<int, 2>{}); break;
+        default: pass(std::integral_constant<int, 3>{});
+      }
+    }
+  return true;
+}
+
 // AttendRowOnWords for this problem's head dim and group, where it takes them.
 template <int DW>
 bool RowOnWords(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int seq,
@@ -481,10 +639,12 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
   const int last_pos = first_pos + item.rows - 1;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same<T, uint16_t>::value) {
-    if (item.rows == 1 && p.window <= 0 && p.soft_cap == 0.0f && B % 2 == 0 && D % 32 == 0 && D <= 128) {
+    if (p.window <= 0 && p.soft_cap == 0.0f && B % 2 == 0 && D % 32 == 0 && D <= 128) {
       const int64_t at = static_cast<int64_t>(q_start + item.row0) * Hk * G * D;
       auto row = [&](auto dw) {
         constexpr int DW = decltype(dw)::value;
+        if (item.rows > 1)
+          return TileOnWords<DW>(p, q + at, k_layer, v_layer, out + at, item.seq, item.rows, first_pos, scratch);
         return RowOnWords<DW>(p, q + at, k_layer, v_layer, out + at, item.seq, last_pos + 1, scratch);
       };
       switch (D / 32) {
