@@ -3,6 +3,10 @@ fill their 16 columns, any K, live rows fewer than the padded batch, one layer p
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import itertools
+import platform
 from pathlib import Path
 
 import jax
@@ -52,6 +56,53 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(dtype):
         np.testing.assert_array_equal(
             np.asarray(_matmul(shuffled, panels, 0, rows, n=70).astype(jnp.float32))[:rows], full[:rows]
         )
+
+
+# The x86-64 levels whose builds take paths -march=native may not take here: AVX2's eight-lane blocks, and AVX-512
+# without BF16 (bfloat16 panels widened in registers); each needs its instructions on the CPU that runs the test.
+X86_LEVELS = {
+    "x86-64-v3": {"avx2", "fma", "bmi2", "movbe"},
+    "x86-64-v4": {"avx2", "fma", "bmi2", "movbe", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"},
+}
+
+
+def _cpu_flags() -> set[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+
+
+@functools.cache
+def _level_target(march: str, tmp: str) -> str:
+    """The matmul kernel built for `march` and registered with XLA under a target of its own."""
+    built = Path(tmp) / f"matmul-{march}.so"
+    library.compile_sources([Path(cpu_matmul.__file__).with_name("matmul.cc")], built, march=march)
+    target = f"jpaged_matmul_{march.replace('-', '_')}"
+    handle = ctypes.CDLL(str(built))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handle.JpagedMatmul), platform="cpu")
+    return target
+
+
+@pytest.mark.parametrize("march", sorted(X86_LEVELS))
+def test_the_kernel_built_for_each_x86_level_matches_float64_numpy(march, tmp_path_factory):
+    if platform.machine() != "x86_64" or not X86_LEVELS[march] <= _cpu_flags():
+        pytest.skip(f"this CPU does not run {march} code")
+    target = _level_target(march, str(tmp_path_factory.mktemp("kernels")))
+    rng = np.random.default_rng(11)
+    for (m, k, n), dtype in itertools.product([(5, 37, 40), (64, 576, 70), (20, 1536, 16)], TOLERANCE):
+        w = jnp.asarray(rng.standard_normal((2, k, n)), dtype)
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        rows = int(rng.integers(1, m + 1))
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))
+        got = np.asarray(call(x, cpu_matmul.pack(w), jnp.ones(1, jnp.int32), jnp.full(1, rows, jnp.int32)))
+        expected = np.asarray(x, np.float64)[:rows] @ np.asarray(w, np.float64)[1]
+        assert np.abs(got[:rows] - expected).max() <= TOLERANCE[dtype] * np.abs(expected).max(), (
+            m,
+            k,
+            n,
+            dtype,
+        )
+        assert not got[rows:].any()
 
 
 def test_packing_keeps_every_column_and_pads_with_zeros():

@@ -89,12 +89,13 @@ def _build(compiler: str) -> Path:
     return library
 
 
-def compile_sources(sources, output: Path, compiler: str = "g++") -> None:
+def compile_sources(sources, output: Path, compiler: str = "g++", march: str = "native") -> None:
     """Compiles C++ `sources` into the shared library `output` with the kernels' flags and headers (also what
-    scripts/ab_cpu_kernels.py builds its variants with); raises RuntimeError with the compiler's message."""
+    scripts/ab_cpu_kernels.py builds its variants with, and the tests their builds for other CPU levels, `march`);
+    raises RuntimeError with the compiler's message."""
     command = [
         compiler,
-        *_FLAGS,
+        *(flag.replace("native", march) if flag == "-march=native" else flag for flag in _FLAGS),
         f"-I{jax.ffi.include_dir()}",
         f"-I{_HERE}",
         *map(str, sources),

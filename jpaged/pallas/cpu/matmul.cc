@@ -3,18 +3,20 @@
 // columns, [L, P, K, 16], one layer of a stack picked by index.
 //
 // Why it exists: XLA's CPU dots of a decode step (8-64 rows against thousands of weight columns) reach a fraction
-// of the machine's memory bandwidth, and padded rows cost as much as real ones (README, bench_matmul.py). Here each panel streams through once
-// per call with a 6-row x 16-column block of accumulators in registers, rows past `rows` are skipped, and a
-// layer's matrix is read in place in the stack. Every output element is a sum over k in the same order whatever the
-// number of rows, so a row's result does not depend on what else is in the batch.
+// of the machine's memory bandwidth, and padded rows cost as much as real ones (README, bench_matmul.py). Here each
+// panel streams through once per call with a block of accumulators in registers, rows past `rows` are skipped, and
+// a layer's matrix is read in place in the stack. Every output element is a sum over k in the same order whatever
+// the number of rows, so a row's result does not depend on what else is in the batch.
 //
-// bfloat16 where the library is built for a CPU with AVX-512-BF16 (-march=native defines __AVX512BF16__): the
-// products are vdpbf16ps, two k at a time on bfloat16 words, float32 sums; elsewhere the panel's words are widened
-// to float32 and multiplied as float32 panels are.
+// Built for a CPU with AVX-512 (-march=native defines __AVX512F__...): blocks of 8 rows x two panels, sixteen lanes
+// a register; float32 panels by FMA, bfloat16 ones by vdpbf16ps, two k at a time on bfloat16 words with float32
+// sums, where the CPU has AVX-512-BF16, else widened to float32 in registers. Elsewhere (AVX2...): blocks of 6 rows
+// x one panel, eight lanes a vector, bfloat16 panels widened once per item into a float32 copy.
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define JPAGED_MATMUL_AVX512 1  // sixteen-lane blocks of row-broadcast products (DotBlock)
 #include <immintrin.h>
 #endif
 
@@ -24,9 +26,158 @@ namespace {
 
 using namespace jpaged;
 
-constexpr int kPanel = 16;         // columns per panel: two vectors
-constexpr int kRowBlock = 6;       // rows per block: 12 accumulators + 2 panel vectors + 1 broadcast <= 16 AVX regs
+constexpr int kPanel = 16;         // columns per panel
 constexpr int kPanelsPerItem = 2;  // a work item's columns
+
+// Calls block(MR, m) for the row blocks [m, m + MR) that cover rows [m, rows): full blocks of kRows, then one of
+// the rows left (MR a compile-time constant, std::integral_constant).
+template <int MR, typename Fn>
+inline void LastBlock(int left, int m, Fn& block) {
+  if constexpr (MR > 0) {
+    if (left == MR) return block(std::integral_constant<int, MR>{}, m);
+    LastBlock<MR - 1>(left, m, block);
+  }
+}
+template <int kRows, typename Fn>
+inline void ForRowBlocks(int rows, int m, Fn block) {
+  for (; m + kRows <= rows; m += kRows) block(std::integral_constant<int, kRows>{}, m);
+  LastBlock<kRows - 1>(rows - m, m, block);
+}
+
+#if defined(JPAGED_MATMUL_AVX512)
+constexpr int kWideRowBlock = 8;  // x two panels: 16 accumulators of 16 columns; AVX-512 has 32 registers
+
+// What a row block multiplies with, by the panels' and x's element types. Each gives the k a step takes (kStep),
+// a panel's rows at k as an operand (Rows), x[m][k..] as the other (Broadcast), and the product added to an
+// accumulator (Add).
+// float32 panels: one k a step, sixteen columns of a row against x[m][k], FMA.
+struct FloatSteps {
+  static constexpr int kStep = 1;
+  using Operand = __m512;
+  static Operand Rows(const float* row) { return _mm512_loadu_ps(row); }
+  static Operand Broadcast(const float* x_row, int k) { return _mm512_set1_ps(x_row[k]); }
+  static __m512 Add(__m512 acc, Operand w, Operand b) { return _mm512_fmadd_ps(w, b, acc); }
+};
+#if defined(__AVX512BF16__)
+// bfloat16 panels on a CPU with AVX-512-BF16: two k a step, rows k and k + 1 of a panel (32 consecutive words) as
+// 16 (row k, row k + 1) pairs, one per column, against x[m][k], x[m][k + 1] (one 32-bit word), vdpbf16ps.
+struct PairSteps {
+  static constexpr int kStep = 2;
+  using Operand = __m512bh;
+  static __m512i PairIndex() {
+    alignas(64) static constexpr uint16_t kIndex[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_load_si512(kIndex);
+  }
+  static Operand Rows(const uint16_t* rows) {
+    return (__m512bh)_mm512_permutexvar_epi16(PairIndex(), _mm512_loadu_si512(rows));
+  }
+  static Operand LastRow(const uint16_t* row) {  // an odd K's last row, paired with zeros
+    return (__m512bh)_mm512_permutexvar_epi16(PairIndex(), _mm512_maskz_loadu_epi16(0xFFFFu, row));
+  }
+  static Operand Broadcast(const uint16_t* x_row, int k) {
+    uint32_t word;
+    std::memcpy(&word, x_row + k, sizeof word);
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+  }
+  static Operand BroadcastLast(const uint16_t* x_row, int k) { return (__m512bh)_mm512_set1_epi32(int{x_row[k]}); }
+  static __m512 Add(__m512 acc, Operand w, Operand b) { return _mm512_dpbf16_ps(acc, w, b); }
+};
+#else
+// bfloat16 panels elsewhere: one k a step, a row's sixteen words widened to float32 in registers (exact), FMA
+// against x widened once (KernelRows).
+struct WidenedSteps : FloatSteps {
+  static Operand Rows(const uint16_t* row) {
+    const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+  }
+};
+#endif
+
+// Sixteen sums stored to the columns of `mask`: as they are, or rounded to bfloat16 as FromFloat rounds (to nearest
+// even, by integer arithmetic on the bits, four vector operations instead of sixteen scalar roundings).
+inline void StoreSums(__m512 sums, float* out, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, sums); }
+inline void StoreSums(__m512 sums, uint16_t* out, __mmask16 mask) {
+  const __m512i bits = _mm512_castps_si512(sums);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// NP adjacent panels (NP x 16 columns) at once: NP x MR accumulators of sixteen lanes, each broadcast of x feeding
+// NP products, enough independent chains to cover the multiply's latency. A first block asks for the panels' rows
+// kAheadBytes early (the hardware prefetcher alone left decode-sized products waiting on memory:
+// scripts/KERNELS.md). The later blocks, which find the panels in cache, ask for the thread's next item's panels
+// (`ahead`) into L2, block `phase` of `period` every period-th step: without it that item's first block waits on
+// memory, one block's arithmetic taking the panels in faster than one core's reads from memory bring them.
+template <typename Steps, int MR, int NP, bool kFirst, typename X, typename T, typename Out>
+inline void DotBlock(const X* x, int K, const T* panel, Out* out, int64_t ldo, int width, const T* ahead = nullptr,
+                     int phase = 0, int period = 1) {
+  constexpr int kStep = Steps::kStep, kAheadBytes = 2048;
+  constexpr int kAhead = kAheadBytes / (kPanel * static_cast<int>(sizeof(T)));  // rows of k
+  const int64_t panel_elements = static_cast<int64_t>(K) * kPanel;
+  __m512 acc[NP][MR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_setzero_ps();
+  auto step = [&](const typename Steps::Operand* w, auto broadcast) {
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const auto b = broadcast(x + m * K);
+      for (int p = 0; p < NP; ++p) acc[p][m] = Steps::Add(acc[p][m], w[p], b);
+    }
+  };
+  int k = 0, due = ahead ? kStep * phase : K;  // the next k whose rows of `ahead` this block asks for
+  for (; k + kStep <= K; k += kStep) {
+    const bool fetch_ahead = k == due;
+    if (fetch_ahead) due += kStep * period;
+    typename Steps::Operand w[NP];
+    for (int p = 0; p < NP; ++p) {
+      if (kFirst) __builtin_prefetch(panel + p * panel_elements + (k + kAhead) * kPanel);
+      if (fetch_ahead) __builtin_prefetch(ahead + p * panel_elements + k * kPanel, 0, 1);
+      w[p] = Steps::Rows(panel + p * panel_elements + k * kPanel);
+    }
+    step(w, [k](const X* x_row) { return Steps::Broadcast(x_row, k); });
+  }
+  if constexpr (kStep == 2) {
+    if (k < K) {
+      typename Steps::Operand w[NP];
+      for (int p = 0; p < NP; ++p) w[p] = Steps::LastRow(panel + p * panel_elements + k * kPanel);
+      step(w, [k](const X* x_row) { return Steps::BroadcastLast(x_row, k); });
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const __mmask16 columns = p + 1 < NP ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) StoreSums(acc[p][m], out + p * kPanel + m * ldo, columns);
+  }
+}
+
+// NP panels side by side, the last one `width` columns wide; every row block reads the panels as they are.
+template <typename Steps, int NP, typename X, typename T, typename Out>
+void Panels(const X* x, int rows, int K, const T* panel, Out* out, int N, int width, const T* ahead) {
+  ForRowBlocks<kWideRowBlock>(rows, 0, [&](auto mr, int m) {
+    constexpr int MR = decltype(mr)::value;
+    if (m == 0) return DotBlock<Steps, MR, NP, true>(x, K, panel, out, N, width);
+    const int later = (rows - 1) / kWideRowBlock;  // the blocks after the first, which share `ahead`'s reads
+    DotBlock<Steps, MR, NP, false>(x + m * K, K, panel, out + m * N, N, width, ahead, m / kWideRowBlock - 1, later);
+  });
+}
+
+// A work item's `count` adjacent panels (one or two), the last `width` columns wide.
+template <typename X, typename T, typename Out>
+void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T* ahead) {
+#if defined(__AVX512BF16__)
+  using Steps = std::conditional_t<std::is_same<T, float>::value, FloatSteps, PairSteps>;
+#else
+  using Steps = std::conditional_t<std::is_same<T, float>::value, FloatSteps, WidenedSteps>;
+#endif
+  static_assert(kPanelsPerItem == 2);
+  if (count == 2) return Panels<Steps, 2>(x, rows, K, panel, out, N, width, ahead);
+  Panels<Steps, 1>(x, rows, K, panel, out, N, width, ahead);
+}
+#else
+constexpr int kRowBlock = 6;  // rows per block: 12 accumulators + 2 panel vectors + 1 broadcast <= 16 AVX registers
 
 inline void StoreRow(V8 lo, V8 hi, float* out, int width) {
   if (width == kPanel) {
@@ -82,21 +233,6 @@ inline void RowBlock(const float* x, int K, const T* panel, Out* out, int N, int
   Block<MR, false>(x + m * K, K, panel, out + m * N, N, width, nullptr);
 }
 
-// Calls block(MR, m) for the row blocks [m, m + MR) that cover rows [m, rows): full blocks of kRows, then one of
-// the rows left (MR a compile-time constant, std::integral_constant).
-template <int MR, typename Fn>
-inline void LastBlock(int left, int m, Fn& block) {
-  if constexpr (MR > 0) {
-    if (left == MR) return block(std::integral_constant<int, MR>{}, m);
-    LastBlock<MR - 1>(left, m, block);
-  }
-}
-template <int kRows, typename Fn>
-inline void ForRowBlocks(int rows, int m, Fn block) {
-  for (; m + kRows <= rows; m += kRows) block(std::integral_constant<int, kRows>{}, m);
-  LastBlock<kRows - 1>(rows - m, m, block);
-}
-
 template <typename T, typename Out>
 void Rows(const float* x, int rows, int K, const T* panel, Out* out, int N, int width, int m) {
   ForRowBlocks<kRowBlock>(rows, m, [&](auto mr, int at) {
@@ -109,98 +245,6 @@ void Panel(const float* x, int rows, int K, const float* panel, Out* out, int N,
   Rows(x, rows, K, panel, out, N, width, 0);
 }
 
-#if defined(__AVX512BF16__)
-constexpr int kDotRowBlock = 8;  // x two panels: 16 accumulators of 16 columns; AVX-512 has 32 registers
-
-// Rows k and k + 1 of a panel (32 consecutive words) as 16 (row k, row k + 1) pairs, one per column.
-inline __m512i PairIndex() {
-  alignas(64) uint16_t index[32];
-  for (int i = 0; i < kPanel; ++i) {
-    index[2 * i] = static_cast<uint16_t>(i);
-    index[2 * i + 1] = static_cast<uint16_t>(kPanel + i);
-  }
-  return _mm512_load_si512(index);
-}
-
-// Sixteen sums stored to the columns of `mask`: as they are, or rounded to bfloat16 as FromFloat rounds (to nearest
-// even, by integer arithmetic on the bits, four vector operations instead of sixteen scalar roundings).
-inline void StoreSums(__m512 sums, float* out, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, sums); }
-inline void StoreSums(__m512 sums, uint16_t* out, __mmask16 mask) {
-  const __m512i bits = _mm512_castps_si512(sums);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
-// NP adjacent panels (NP x 16 columns) at once: NP x MR accumulators, each broadcast of x feeding NP products,
-// enough independent chains to cover vdpbf16ps's latency. A first block asks for the panels' rows kAhead early: a
-// bfloat16 row is half a float32 one, and the shorter distance left decode-sized products waiting on memory
-// (scripts/KERNELS.md). The later blocks, which find the panels in cache, ask for the thread's next item's panels
-// (`ahead`) into L2, block `phase` of `period` every period-th pair of rows: without it that item's first block
-// waits on memory: one block's arithmetic takes the panels in faster than one core's reads from memory bring them.
-template <int MR, int NP, bool kFirst, typename Out>
-inline void DotBlock(const uint16_t* x, int K, const uint16_t* panel, Out* out, int64_t ldo, int width,
-                     const uint16_t* ahead = nullptr, int phase = 0, int period = 1) {
-  constexpr int kAhead = 64;
-  const __m512i pairs = PairIndex();
-  const int64_t panel_words = static_cast<int64_t>(K) * kPanel;
-  __m512 acc[NP][MR];
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
-    for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_setzero_ps();
-  // Two k of every row: the panels' pairs against x[m][k], x[m][k + 1] (one 32-bit word) broadcast.
-  auto step = [&](const __m512i* rows, auto x_pair) {
-    __m512bh w[NP];
-    for (int p = 0; p < NP; ++p) w[p] = (__m512bh)_mm512_permutexvar_epi16(pairs, rows[p]);
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(x_pair(m));
-      for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_dpbf16_ps(acc[p][m], w[p], b);
-    }
-  };
-  int k = 0, due = ahead ? 2 * phase : K;  // the next k whose rows of `ahead` this block asks for
-  for (; k + 1 < K; k += 2) {
-    const bool fetch_ahead = k == due;
-    if (fetch_ahead) due += 2 * period;
-    __m512i rows[NP];
-    for (int p = 0; p < NP; ++p) {
-      if (kFirst) __builtin_prefetch(panel + p * panel_words + (k + kAhead) * kPanel);
-      if (fetch_ahead) __builtin_prefetch(ahead + p * panel_words + k * kPanel, 0, 1);
-      rows[p] = _mm512_loadu_si512(panel + p * panel_words + k * kPanel);
-    }
-    step(rows, [&](int m) {
-      uint32_t word;
-      std::memcpy(&word, x + m * K + k, sizeof word);
-      return static_cast<int>(word);
-    });
-  }
-  if (k < K) {  // an odd K's last row, paired with zeros
-    __m512i rows[NP];
-    for (int p = 0; p < NP; ++p) rows[p] = _mm512_maskz_loadu_epi16(0xFFFFu, panel + p * panel_words + k * kPanel);
-    step(rows, [&](int m) { return int{x[m * K + k]}; });
-  }
-  for (int p = 0; p < NP; ++p) {
-    const __mmask16 columns = p + 1 < NP ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) StoreSums(acc[p][m], out + p * kPanel + m * ldo, columns);
-  }
-}
-
-// x stays bfloat16 here (KernelRows); every row block reads the panels as they are. NP panels side by side, the
-// last one `width` columns wide.
-template <int NP, typename Out>
-void Panels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width,
-            const uint16_t* ahead) {
-  ForRowBlocks<kDotRowBlock>(rows, 0, [&](auto mr, int m) {
-    constexpr int MR = decltype(mr)::value;
-    if (m == 0) return DotBlock<MR, NP, true>(x, K, panel, out, N, width);
-    const int later = (rows - 1) / kDotRowBlock;  // the blocks after the first, which share `ahead`'s reads
-    DotBlock<MR, NP, false>(x + m * K, K, panel, out + m * N, N, width, ahead, m / kDotRowBlock - 1, later);
-  });
-}
-
-constexpr const char* kBfloat16Arithmetic = "avx512_bf16";
-#else
 // A bfloat16 panel is widened once, by its first row block, into a float32 copy (K x 64 bytes, cache-resident)
 // that the later blocks read: widening costs two vector operations per load, which batches of many row blocks
 // would otherwise pay for each block. Widening is exact, so every row's sums are those of a single block.
@@ -213,9 +257,6 @@ void Panel(const float* x, int rows, int K, const uint16_t* panel, Out* out, int
   Rows(x, rows, K, static_cast<const float*>(widened.data()), out, N, width, kRowBlock);
 }
 
-constexpr const char* kBfloat16Arithmetic = "";  // none: widened to float32
-#endif
-
 // A work item's `count` adjacent panels, the last `width` columns wide.
 template <typename X, typename T, typename Out>
 void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T*) {
@@ -223,14 +264,12 @@ void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out
     Panel(x, rows, K, panel + static_cast<int64_t>(p) * K * kPanel, out + p * kPanel, N,
           p + 1 < count ? kPanel : width);
 }
+#endif
+
 #if defined(__AVX512BF16__)
-template <typename Out>
-void ItemPanels(const uint16_t* x, int rows, int K, const uint16_t* panel, int count, Out* out, int N, int width,
-                const uint16_t* ahead) {
-  static_assert(kPanelsPerItem == 2);
-  if (count == 2) return Panels<2>(x, rows, K, panel, out, N, width, ahead);
-  Panels<1>(x, rows, K, panel, out, N, width, ahead);
-}
+constexpr const char* kBfloat16Arithmetic = "avx512_bf16";
+#else
+constexpr const char* kBfloat16Arithmetic = "";  // none: widened to float32
 #endif
 
 // x as the row blocks read it: float32, or for bfloat16 its words where the dot instructions take them.

@@ -1,8 +1,8 @@
 """The model's matrix products on the CPU through a C++ kernel (matmul.cc), called as an XLA FFI custom call.
 
 A weight matrix w [K, N] ([in, out]) is stored as panels of 16 columns, `pack(w)` [P, K, 16] (P = ceil(N / 16),
-the last panel zero-padded), each panel contiguous, so a step streams it from memory once while a 6 x 16 block of
-results sits in registers. A layer's stack [L, K, N] packs to [L, P, K, 16] and the kernel reads layer `layer` in
+the last panel zero-padded), each panel contiguous, so a step streams it from memory once while a block of results
+(8 rows x 32 columns with AVX-512, 6 x 16 with AVX2) sits in registers. A layer's stack [L, K, N] packs to [L, P, K, 16] and the kernel reads layer `layer` in
 place. Only the first `rows` rows of x are computed (the rest of the output is zero): a decode step of 6 sequences
 padded to 16 tokens does 6 rows of work.
 
