@@ -15,6 +15,7 @@ or REV:PATH from git.
       jpaged/pallas/cpu/paged_attention.cc
   python scripts/ab_cpu_kernels.py attention A.cc B.cc --shape 8,32,8,128 --seqs 32 --dtype bfloat16
   python scripts/ab_cpu_kernels.py matmul c77f7a1~1:jpaged/pallas/cpu_matmul.cc jpaged/pallas/cpu/matmul.cc
+  python scripts/ab_cpu_kernels.py matmul A.cc B.cc --march x86-64-v3     # the AVX2 paths, on an AVX-512 CPU
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from jpaged.pallas.cpu import matmul as cpu_matmul  # noqa: E402
 SYMBOLS = {"attention": "JpagedPagedAttention", "matmul": "JpagedMatmul"}
 
 
-def build(source: str, kernel: str, index: int, workdir: Path) -> str:
+def build(source: str, kernel: str, index: int, workdir: Path, march: str = "native") -> str:
     """Compiles `source` (a path or REV:PATH) and registers it as FFI target `ab<index>`."""
     if ":" in source and not Path(source).exists():
         text = subprocess.run(["git", "show", source], capture_output=True, text=True, check=True).stdout
@@ -53,7 +54,7 @@ def build(source: str, kernel: str, index: int, workdir: Path) -> str:
     else:
         path = Path(source)
     library = workdir / f"variant{index}.so"
-    cpu_library.compile_sources([path], library)
+    cpu_library.compile_sources([path], library, march=march)
     handle = ctypes.CDLL(str(library))
     target = f"ab{index}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, SYMBOLS[kernel])), platform="cpu")
@@ -149,12 +150,15 @@ def main() -> None:
         help="attention: blocks in the pool the pages are drawn from (default: just the ones needed)",
     )
     parser.add_argument("--rows", default="6,24,64,512", help="matmul: row counts")
+    parser.add_argument(
+        "--march", default="native", help="the CPU level both are built for (x86-64-v3: the AVX2 paths)"
+    )
     args = parser.parse_args()
     if not cpu_library.available():
         raise SystemExit("the C++ CPU kernels cannot be built here")
 
     with tempfile.TemporaryDirectory() as workdir:
-        targets = [build(s, args.kernel, i, Path(workdir)) for i, s in enumerate(args.sources)]
+        targets = [build(s, args.kernel, i, Path(workdir), args.march) for i, s in enumerate(args.sources)]
         rng = np.random.default_rng(0)
         runs = (attention_runs if args.kernel == "attention" else matmul_runs)(targets, args, rng)
         print(
