@@ -21,7 +21,6 @@ or REV:PATH from git.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import subprocess
 import sys
@@ -55,9 +54,8 @@ def build(source: str, kernel: str, index: int, workdir: Path, march: str = "nat
         path = Path(source)
     library = workdir / f"variant{index}.so"
     cpu_library.compile_sources([path], library, march=march)
-    handle = ctypes.CDLL(str(library))
     target = f"ab{index}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, SYMBOLS[kernel])), platform="cpu")
+    cpu_library.register(library, {target: SYMBOLS[kernel]})
     return target
 
 

@@ -13,6 +13,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jpaged.pallas.cpu.library import cpu_flags  # noqa: E402
+
 # (name, the instruction on zmm0/ymm0 into register {r}, the flag it needs, FLOPs per instruction)
 INSTRUCTIONS = (
     ("vdpbf16ps zmm (bfloat16 pairs)", "vdpbf16ps %%zmm0, %%zmm0, %%zmm{r}", "avx512_bf16", 64),
@@ -34,13 +38,6 @@ int main() {
   std::printf("%.4f\n", s);
 }
 """
-
-
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def seconds(instruction: str, workdir: Path) -> float:

@@ -3,7 +3,6 @@ fill their 16 columns, any K, live rows fewer than the padded batch, one layer p
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import platform
@@ -66,26 +65,19 @@ X86_LEVELS = {
 }
 
 
-def _cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
-
-
 @functools.cache
 def _level_target(march: str, tmp: str) -> str:
     """The matmul kernel built for `march` and registered with XLA under a target of its own."""
     built = Path(tmp) / f"matmul-{march}.so"
     library.compile_sources([Path(cpu_matmul.__file__).with_name("matmul.cc")], built, march=march)
     target = f"jpaged_matmul_{march.replace('-', '_')}"
-    handle = ctypes.CDLL(str(built))
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handle.JpagedMatmul), platform="cpu")
+    library.register(built, {target: "JpagedMatmul"})
     return target
 
 
 @pytest.mark.parametrize("march", sorted(X86_LEVELS))
 def test_the_kernel_built_for_each_x86_level_matches_float64_numpy(march, tmp_path_factory):
-    if platform.machine() != "x86_64" or not X86_LEVELS[march] <= _cpu_flags():
+    if platform.machine() != "x86_64" or not X86_LEVELS[march] <= library.cpu_flags():
         pytest.skip(f"this CPU does not run {march} code")
     target = _level_target(march, str(tmp_path_factory.mktemp("kernels")))
     rng = np.random.default_rng(11)
@@ -152,6 +144,5 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
 def test_the_kernel_multiplies_bfloat16_natively_exactly_where_the_cpu_can():
     """Built with -march=native: the AVX-512-BF16 dot products where /proc/cpuinfo lists them, widening
     elsewhere (what dtype="auto" reads)."""
-    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    expected = "avx512_bf16" if "avx512_bf16" in flags.split() else None
+    expected = "avx512_bf16" if "avx512_bf16" in library.cpu_flags() else None
     assert library.bfloat16_arithmetic() == expected

@@ -56,15 +56,18 @@ _VECTOR_MATH = (
 )
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+
+
 def _cpu_signature() -> str:
     """What `-march=native` depends on: a cached build is reused only on the same kind of CPU."""
-    try:
-        flags = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        flags = ""
-    return f"{platform.machine()} {flags}"
+    return f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
 
 
 def _build(compiler: str) -> Path:
@@ -95,7 +98,7 @@ def compile_sources(sources, output: Path, compiler: str = "g++", march: str = "
     raises RuntimeError with the compiler's message."""
     command = [
         compiler,
-        *(flag.replace("native", march) if flag == "-march=native" else flag for flag in _FLAGS),
+        *(f"-march={march}" if flag == "-march=native" else flag for flag in _FLAGS),
         f"-I{jax.ffi.include_dir()}",
         f"-I{_HERE}",
         *map(str, sources),
@@ -108,6 +111,14 @@ def compile_sources(sources, output: Path, compiler: str = "g++", march: str = "
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
 
 
+def register(library: Path, targets: dict[str, str]) -> ctypes.CDLL:
+    """Loads the built `library` and registers its handlers with XLA's CPU backend ({FFI target: symbol})."""
+    handle = ctypes.cdll.LoadLibrary(str(library))
+    for target, symbol in targets.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
+    return handle
+
+
 @functools.cache
 def _loaded() -> ctypes.CDLL | None:
     """The kernels' library, built and registered with XLA (compiling it the first time on this machine)."""
@@ -116,9 +127,7 @@ def _loaded() -> ctypes.CDLL | None:
         logger.warning("no C++ compiler (%s) to build the CPU kernels", compiler)
         return None
     try:
-        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-        for target, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+        library = register(_build(compiler), TARGETS)
     except (OSError, RuntimeError, AttributeError) as err:
         logger.warning("could not build the CPU kernels: %s", err)
         return None
