@@ -1,5 +1,5 @@
-// What the CPU kernels (paged_attention.cc, matmul.cc) share: eight-float vectors, bfloat16 conversion and
-// a parallel loop over XLA's intra-op thread pool.
+// What the CPU kernels (paged_attention.cc, matmul.cc) share: eight-float vectors, bfloat16 conversion, the
+// AVX-512 word pairing for vdpbf16ps and a parallel loop over XLA's intra-op thread pool.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +10,10 @@
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 namespace jpaged {
 
@@ -44,6 +48,17 @@ inline V8 Load(const uint16_t* x) {  // eight bfloat16 widened to float32
 }
 inline void Store(float* x, V8 v) { *reinterpret_cast<V8*>(x) = v; }
 inline float Sum(V8 v) { return (v[0] + v[4]) + (v[1] + v[5]) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+#if defined(__AVX512BW__)
+// Word indices for _mm512_permutexvar_epi16 that interleave a register's two halves, (w[i], w[16 + i]) for i < 16:
+// rows k and k + 1 of a 16-column panel, or two rows of sixteen bfloat16 weights, as the column pairs vdpbf16ps
+// takes.
+inline __m512i PairIndex() {
+  alignas(64) static constexpr uint16_t kIndex[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_load_si512(kIndex);
+}
+#endif
 
 // Runs work(i) for i in [0, count) on the calling thread and the pool's. Items are claimed one at a time; the caller
 // waits only for items already claimed, so a helper that starts after all are taken finds nothing (and touches only

@@ -64,11 +64,6 @@ struct FloatSteps {
 struct PairSteps {
   static constexpr int kStep = 2;
   using Operand = __m512bh;
-  static __m512i PairIndex() {
-    alignas(64) static constexpr uint16_t kIndex[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    return _mm512_load_si512(kIndex);
-  }
   static Operand Rows(const uint16_t* rows) {
     return (__m512bh)_mm512_permutexvar_epi16(PairIndex(), _mm512_loadu_si512(rows));
   }

@@ -331,6 +331,18 @@ inline __m512i InterleaveIndex(int half) {
   return _mm512_load_si512(index);
 }
 
+// Value rows j and j + 1 (D = 32 * DW words each; `row1` is row0 again for an odd last key, whose pair weighs
+// zero) as D 32-bit words, (row0[d], row1[d]) for each column d, in 2 * DW registers: the pairs vdpbf16ps takes
+// against a (weight j, weight j + 1) pair.
+template <int DW>
+inline void InterleaveRows(const uint16_t* row0, const uint16_t* row1, __m512i low, __m512i high, __m512i* pairs) {
+  for (int c = 0; c < DW; ++c) {
+    const __m512i a = _mm512_loadu_si512(row0 + 32 * c), r = _mm512_loadu_si512(row1 + 32 * c);
+    pairs[2 * c] = _mm512_permutex2var_epi16(a, low, r);
+    pairs[2 * c + 1] = _mm512_permutex2var_epi16(a, high, r);
+  }
+}
+
 // One query row that sees every key up to its own (a decode row, or a prefill tile's lone last row), with no window
 // or soft cap, over bfloat16 pages on a CPU with AVX-512-BF16. Two passes instead of an online softmax: every key's
 // score first (vdpbf16ps dots, sixteen keys' sums at a time), one softmax over the whole row, then P.V by vdpbf16ps
@@ -432,19 +444,14 @@ bool AttendRowOnWords(const Problem& p, const uint16_t* q_row, const uint16_t* k
         const int count = keys_in(b);
         for (int j = 0; j < count; j += 2) {
           const uint16_t* row0 = v_block + j * stride;
-          const uint16_t* row1 = j + 1 < count ? row0 + stride : row0;  // an odd last key's pair weighs zero
-          __m512bh pairs[2 * DW];
-          for (int c = 0; c < DW; ++c) {
-            const __m512i a = _mm512_loadu_si512(row0 + 32 * c), r = _mm512_loadu_si512(row1 + 32 * c);
-            pairs[2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, low, r);
-            pairs[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, r);
-          }
+          __m512i pairs[2 * DW];
+          InterleaveRows<DW>(row0, j + 1 < count ? row0 + stride : row0, low, high, pairs);
           const int key = b * B + j;
           for (int g = 0; g < NG; ++g) {
             uint32_t pair;
             std::memcpy(&pair, weights + static_cast<size_t>(h * G + g0 + g) * padded + key, sizeof pair);
             const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-            for (int c = 0; c < 2 * DW; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pairs[c], w);
+            for (int c = 0; c < 2 * DW; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)pairs[c], w);
           }
         }
       }
@@ -496,9 +503,7 @@ void AttendQueriesOnWords(const Problem& p, const uint16_t* q_rows, const uint16
   std::fill(acc, acc + D * NG * kLanes, 0.0f);
   __m512 max[NG], sum[NG], correction[NG];
   for (int g = 0; g < NG; ++g) max[g] = _mm512_set1_ps(kNeg), sum[g] = _mm512_setzero_ps();
-  const __m512i low = InterleaveIndex(0), high = InterleaveIndex(1);
-  // (i, 16 + i), one register's two halves interleaved: low's (i, 32 + i) with 16 taken off the odd words
-  const __m512i pair_lanes = _mm512_mask_sub_epi16(low, 0xAAAAAAAAu, low, _mm512_set1_epi16(16));
+  const __m512i low = InterleaveIndex(0), high = InterleaveIndex(1), pair_lanes = PairIndex();
   const __m512 scale = _mm512_set1_ps(p.scale);
   for (int b = 0; b < num_blocks; ++b) {
     const int key0 = b * B, count = std::min(B, first_pos + (n - 1) / G + 1 - key0);
@@ -554,12 +559,9 @@ void AttendQueriesOnWords(const Problem& p, const uint16_t* q_rows, const uint16
     // The value rows in (key j, key j + 1) word pairs, column by column.
     for (int j = 0; j < count; j += 2) {
       const uint16_t* row0 = v_block + j * stride;
-      const uint16_t* row1 = j + 1 < count ? row0 + stride : row0;
-      for (int c = 0; c < DW; ++c) {
-        const __m512i a = _mm512_loadu_si512(row0 + 32 * c), r = _mm512_loadu_si512(row1 + 32 * c);
-        _mm512_storeu_si512(values + j / 2 * D + 32 * c, _mm512_permutex2var_epi16(a, low, r));
-        _mm512_storeu_si512(values + j / 2 * D + 32 * c + 16, _mm512_permutex2var_epi16(a, high, r));
-      }
+      __m512i pairs[2 * DW];
+      InterleaveRows<DW>(row0, j + 1 < count ? row0 + stride : row0, low, high, pairs);
+      for (int c = 0; c < 2 * DW; ++c) _mm512_storeu_si512(values + j / 2 * D + 16 * c, pairs[c]);
     }
     // P.V, eight columns at a time: acc[d] = acc[d] * correction + sum over key pairs of weights . values[d].
     for (int d0 = 0; d0 < D; d0 += 8) {
