@@ -55,12 +55,17 @@ def dropped(pool: jax.Array) -> jax.Array:
     return pool
 
 
+def skip_unless_the_kernel_maps_in(pool: jax.Array) -> None:
+    if not huge_pages.populate(pool.unsafe_buffer_pointer(), 2 * PAGE):
+        pytest.skip("this kernel cannot map memory in ahead (MADV_POPULATE_WRITE came with Linux 5.14)")
+
+
 def test_the_first_blocks_of_every_layer_are_mapped_in_and_the_rest_is_not():
     # 8 KiB blocks, 16 MiB layers
     pool = dropped(cpu_attention.uninitialized((3, 2048, 16, 2, 64), jnp.float32))
     mapped = cpu_attention.map_in_first_blocks([pool], 100)
-    if mapped == 0 and not huge_pages.populate(pool.unsafe_buffer_pointer(), 2 * PAGE):
-        pytest.skip("this kernel cannot map memory in ahead (MADV_POPULATE_WRITE came with Linux 5.14)")
+    if mapped == 0:
+        skip_unless_the_kernel_maps_in(pool)
     assert mapped == 3 * 100 * 8192
     for start, length in block_ranges(pool, 0, 100):
         assert resident(start, length).all()
@@ -93,8 +98,7 @@ def test_the_engine_maps_in_a_full_batch_worth_of_blocks_at_start_up(tiny_model_
     )
     runner = llm.engine.runner
     assert asked == [1 + 4 * runner.max_blocks_per_seq]  # the null block and 4 sequences of 64 tokens
-    if not huge_pages.populate(runner.kv_cache.k.unsafe_buffer_pointer(), 2 * PAGE):
-        pytest.skip("this kernel cannot map memory in ahead (MADV_POPULATE_WRITE came with Linux 5.14)")
+    skip_unless_the_kernel_maps_in(runner.kv_cache.k)
     for pool in runner.kv_cache:
         for start, length in block_ranges(pool, 0, asked[0]):
             assert resident(start, length).all()
