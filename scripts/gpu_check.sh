@@ -4,7 +4,8 @@
 # Prints: (a) jax's device and memory; (b) the compiled Triton kernel against the float64 oracle and the XLA
 # reference on the test configurations and a pool past 4 GiB, then the cuda lowering tests; (c)
 # scripts/bench_kernels.py (time and HBM bandwidth per step kind); (d) decode steps of Llama-1B- and 8B-shaped
-# random-weight models at 1/64/256 sequences beside the HBM floor, and one engine's warm-up and throughput.
+# random-weight models at 1/64/256 sequences beside the HBM floor, and one engine's warm-up and throughput; (e)
+# the CPU matmul's AMX tiles, where the host CPU has them.
 # Stage (d) needs flax: where it is missing, the wheels of scripts/gpu_wheels.sh (carried in wheels/) are used.
 # Env: PYTHON (default python3), OUT (one log per stage, default ./gpu_check_out), BUDGET_S (default 470),
 #      DRY_RUN=1 (a CPU check of the plumbing: tiny sizes, interpreted kernel; its figures mean nothing).
@@ -74,5 +75,17 @@ if [ "$DRY" = 1 ]; then
 else
   stage d_decode 200 "$PY" scripts/bench_gpu_decode.py --decode llama1b,llama8b --engine ""
   stage d_engine 150 "$PY" scripts/bench_gpu_decode.py --decode "" --engine llama1b
+fi
+# (e) the host CPU. Where it has AMX (Sapphire Rapids and later; no development machine so far has), the matmul
+# kernel's tile path on real tiles: its tests, then tiles against vdpbf16ps (the same source with the tiles
+# compiled out) in one process.
+grep -m1 'model name' /proc/cpuinfo
+if grep -qw amx_bf16 /proc/cpuinfo; then
+  sed 's/^#define JPAGED_MATMUL_AMX 1.*/#undef JPAGED_MATMUL_AMX/' jpaged/pallas/cpu/matmul.cc >"$LOG/matmul_no_tiles.cc"
+  JAX_PLATFORMS=cpu stage e_amx_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_cpu_matmul.py
+  JAX_PLATFORMS=cpu stage e_amx_ab 150 "$PY" scripts/ab_cpu_kernels.py matmul "$LOG/matmul_no_tiles.cc" \
+    jpaged/pallas/cpu/matmul.cc --dtype bfloat16 --rows 1,8,64,512
+else
+  echo "### e: no AMX on this host CPU"
 fi
 echo "### done in $(($(date +%s) - START)) s; logs in $LOG"

@@ -3,9 +3,12 @@ fill their 16 columns, any K, live rows fewer than the padded batch, one layer p
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import platform
+import shutil
+import subprocess
 from pathlib import Path
 
 import jax
@@ -57,44 +60,86 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(dtype):
         )
 
 
-# The x86-64 levels whose builds take paths -march=native may not take here: AVX2's eight-lane blocks, and AVX-512
-# without BF16 (bfloat16 panels widened in registers); each needs its instructions on the CPU that runs the test.
-X86_LEVELS = {
-    "x86-64-v3": {"avx2", "fma", "bmi2", "movbe"},
-    "x86-64-v4": {"avx2", "fma", "bmi2", "movbe", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"},
+# Builds that take paths -march=native may not take here: AVX2's eight-lane blocks, AVX-512 without BF16 (bfloat16
+# panels widened in registers), and the AMX tiles, run on a model of their instructions (tests/amx_model.h) where
+# the CPU has none: (march, extra flags, the CPU flags its code needs).
+AVX512 = {"avx2", "fma", "bmi2", "movbe", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+BUILDS = {
+    "x86-64-v3": ("x86-64-v3", (), {"avx2", "fma", "bmi2", "movbe"}),
+    "x86-64-v4": ("x86-64-v4", (), AVX512),
+    "amx-model": ("native", ("-DJPAGED_AMX_MODEL", f"-I{Path(__file__).parent}"), AVX512 | {"avx512_bf16"}),
+    "amx": ("sapphirerapids", (), AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}),
 }
 
 
 @functools.cache
-def _level_target(march: str, tmp: str) -> str:
-    """The matmul kernel built for `march` and registered with XLA under a target of its own."""
-    built = Path(tmp) / f"matmul-{march}.so"
-    library.compile_sources([Path(cpu_matmul.__file__).with_name("matmul.cc")], built, march=march)
-    target = f"jpaged_matmul_{march.replace('-', '_')}"
-    library.register(built, {target: "JpagedMatmul"})
-    return target
+def _build(name: str, tmp: str) -> tuple[str, ctypes.CDLL]:
+    """The matmul kernel built as BUILDS[name] says, registered with XLA under a target of its own."""
+    march, extra, _ = BUILDS[name]
+    built = Path(tmp) / f"matmul-{name}.so"
+    library.compile_sources(
+        [Path(cpu_matmul.__file__).with_name("matmul.cc")], built, march=march, extra=extra
+    )
+    target = f"jpaged_matmul_{name.replace('-', '_')}"
+    return target, library.register(built, {target: "JpagedMatmul"})
 
 
-@pytest.mark.parametrize("march", sorted(X86_LEVELS))
-def test_the_kernel_built_for_each_x86_level_matches_float64_numpy(march, tmp_path_factory):
-    if platform.machine() != "x86_64" or not X86_LEVELS[march] <= library.cpu_flags():
-        pytest.skip(f"this CPU does not run {march} code")
-    target = _level_target(march, str(tmp_path_factory.mktemp("kernels")))
+def _runnable_build(name: str, tmp_path_factory) -> tuple[str, ctypes.CDLL]:
+    if platform.machine() != "x86_64" or not BUILDS[name][2] <= library.cpu_flags():
+        pytest.skip(f"this CPU does not run the {name} build")
+    return _build(name, str(tmp_path_factory.getbasetemp()))
+
+
+def _call(target: str, x: jax.Array, panels: jax.Array, n: int, rows: int) -> np.ndarray:
+    """Layer 1 of the panels' stack, as float32."""
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return np.asarray(call(x, panels, jnp.ones(1, jnp.int32), jnp.full(1, rows, jnp.int32)))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_each_build_matches_float64_numpy(name, tmp_path_factory):
+    target, _ = _runnable_build(name, tmp_path_factory)
     rng = np.random.default_rng(11)
-    for (m, k, n), dtype in itertools.product([(5, 37, 40), (64, 576, 70), (20, 1536, 16)], TOLERANCE):
+    # (M, K, N, rows): K 64, 576 and 1536 fill whole tiles of 32, 37 does not (vdpbf16ps in the AMX builds); 37
+    # rows end in a smaller row group (16 + 5) than the first two (16 + 16); 33 columns end in an item of one
+    # panel, one column wide.
+    shapes = [(5, 37, 40, 3), (64, 576, 70, 64), (20, 1536, 16, 20), (40, 64, 33, 37)]
+    for (m, k, n, rows), dtype in itertools.product(shapes, TOLERANCE):
         w = jnp.asarray(rng.standard_normal((2, k, n)), dtype)
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        rows = int(rng.integers(1, m + 1))
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))
-        got = np.asarray(call(x, cpu_matmul.pack(w), jnp.ones(1, jnp.int32), jnp.full(1, rows, jnp.int32)))
+        got = _call(target, x, cpu_matmul.pack(w), n, rows)
         expected = np.asarray(x, np.float64)[:rows] @ np.asarray(w, np.float64)[1]
-        assert np.abs(got[:rows] - expected).max() <= TOLERANCE[dtype] * np.abs(expected).max(), (
-            m,
-            k,
-            n,
-            dtype,
-        )
+        error = np.abs(got[:rows] - expected).max() / np.abs(expected).max()
+        assert error <= TOLERANCE[dtype], (m, k, n, dtype)
         assert not got[rows:].any()
+
+
+def test_the_amx_tiles_take_bfloat16_products_whatever_the_rows(tmp_path_factory):
+    """On the model of the tiles: the tile path runs (its dot products counted), says so to dtype="auto", and
+    gives a row the same bits in a batch of 64 rows as in one of 1, 11 or 17."""
+    target, handle = _runnable_build("amx-model", tmp_path_factory)
+    handle.JpagedBfloat16Arithmetic.restype = ctypes.c_char_p
+    assert handle.JpagedBfloat16Arithmetic() == b"amx_bf16"
+    handle.JpagedAmxModelDots.restype = ctypes.c_int64
+    rng = np.random.default_rng(5)
+    panels = cpu_matmul.pack(jnp.asarray(rng.standard_normal((2, 128, 40)), jnp.bfloat16))
+    x = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
+    dots = handle.JpagedAmxModelDots()
+    full = _call(target, x, panels, 40, 64)
+    # 4 tiles of k x 2 row groups (of 16 + 16 rows) x (an item of two panels, 2 x 2 products, + one of one)
+    assert handle.JpagedAmxModelDots() - dots == 4 * 2 * (2 * 2 + 2 * 1)
+    for rows in (1, 11, 17):
+        np.testing.assert_array_equal(_call(target, x[:32], panels, 40, rows)[:rows], full[:rows])
+
+
+def test_the_amx_build_multiplies_on_the_tiles(tmp_path):
+    """Where no CPU here runs it, the build for Sapphire Rapids still compiles, with the tile instructions in."""
+    if platform.machine() != "x86_64" or shutil.which("objdump") is None:
+        pytest.skip("needs x86-64 and objdump")
+    built = tmp_path / "matmul-amx.so"
+    library.compile_sources([Path(cpu_matmul.__file__).with_name("matmul.cc")], built, march="sapphirerapids")
+    code = subprocess.run(["objdump", "-d", str(built)], capture_output=True, text=True, check=True).stdout
+    assert {"ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"} <= set(code.split())
 
 
 def test_packing_keeps_every_column_and_pads_with_zeros():
@@ -142,7 +187,10 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
 
 
 def test_the_kernel_multiplies_bfloat16_natively_exactly_where_the_cpu_can():
-    """Built with -march=native: the AVX-512-BF16 dot products where /proc/cpuinfo lists them, widening
-    elsewhere (what dtype="auto" reads)."""
-    expected = "avx512_bf16" if "avx512_bf16" in library.cpu_flags() else None
+    """Built with -march=native: the AMX tiles where /proc/cpuinfo lists them (and Linux grants them), else the
+    AVX-512-BF16 dot products where it lists those, widening elsewhere (what dtype="auto" reads)."""
+    flags = library.cpu_flags()
+    expected = "avx512_bf16" if "avx512_bf16" in flags else None
+    if {"amx_tile", "amx_bf16"} <= flags:
+        expected = "amx_bf16"
     assert library.bfloat16_arithmetic() == expected

@@ -92,13 +92,17 @@ def _build(compiler: str) -> Path:
     return library
 
 
-def compile_sources(sources, output: Path, compiler: str = "g++", march: str = "native") -> None:
+def compile_sources(
+    sources, output: Path, compiler: str = "g++", march: str = "native", extra: tuple[str, ...] = ()
+) -> None:
     """Compiles C++ `sources` into the shared library `output` with the kernels' flags and headers (also what
-    scripts/ab_cpu_kernels.py builds its variants with, and the tests their builds for other CPU levels, `march`);
-    raises RuntimeError with the compiler's message."""
+    scripts/ab_cpu_kernels.py builds its variants with, and the tests their builds for other CPU levels, `march`,
+    or with `extra` flags: the AMX model's define and include folder); raises RuntimeError with the compiler's
+    message."""
     command = [
         compiler,
         *(f"-march={march}" if flag == "-march=native" else flag for flag in _FLAGS),
+        *extra,
         f"-I{jax.ffi.include_dir()}",
         f"-I{_HERE}",
         *map(str, sources),
@@ -140,8 +144,9 @@ def available() -> bool:
 
 
 def bfloat16_arithmetic() -> str | None:
-    """The bfloat16 dot-product instructions the matmul kernel was built with for this CPU (`avx512_bf16`), or
-    None where it widens bfloat16 to float32 (or the kernels cannot be built)."""
+    """The bfloat16 dot-product instructions the matmul kernel multiplies with on this CPU (`amx_bf16` where the
+    tiles are built and Linux grants them, else `avx512_bf16`), or None where it widens bfloat16 to float32 (or the
+    kernels cannot be built)."""
     library = _loaded()
     if library is None:
         return None

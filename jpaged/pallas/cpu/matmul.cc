@@ -10,8 +10,10 @@
 //
 // Built for a CPU with AVX-512 (-march=native defines __AVX512F__...): blocks of 8 rows x two panels, sixteen lanes
 // a register; float32 panels by FMA, bfloat16 ones by vdpbf16ps, two k at a time on bfloat16 words with float32
-// sums, where the CPU has AVX-512-BF16, else widened to float32 in registers. Elsewhere (AVX2...): blocks of 6 rows
-// x one panel, eight lanes a vector, bfloat16 panels widened once per item into a float32 copy.
+// sums, where the CPU has AVX-512-BF16, else widened to float32 in registers. With AMX (Sapphire Rapids and later,
+// where Linux grants the tile registers), bfloat16 products whose K is a multiple of 32 go through the tiles
+// instead (TilePanels). Elsewhere (AVX2...): blocks of 6 rows x one panel, eight lanes a vector, bfloat16 panels
+// widened once per item into a float32 copy.
 #include <type_traits>
 #include <vector>
 
@@ -19,8 +21,61 @@
 #define JPAGED_MATMUL_AVX512 1  // sixteen-lane blocks of row-broadcast products (DotBlock)
 #include <immintrin.h>
 #endif
+#if defined(JPAGED_MATMUL_AVX512) && defined(__AVX512BF16__) && \
+    (defined(JPAGED_AMX_MODEL) || (defined(__AMX_TILE__) && defined(__AMX_BF16__)))
+#define JPAGED_MATMUL_AMX 1  // bfloat16 products on the tile registers (TilePanels)
+#endif
 
 #include "kernel.h"
+
+#if defined(JPAGED_MATMUL_AMX)
+namespace jpaged::tiles {
+// LDTILECFG's 64-byte operand: palette 1, eight tiles of up to 16 rows x 64 bytes, each given its shape.
+struct Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes a row
+  uint8_t rows[16] = {};
+};
+}  // namespace jpaged::tiles
+#if defined(JPAGED_AMX_MODEL)
+// The tests' model of the tile instructions below (tests/amx_model.h), for CPUs without AMX.
+#include "amx_model.h"
+#else
+#include <sys/syscall.h>
+#include <unistd.h>
+namespace jpaged::tiles {
+// Linux hands a process the tiles' 8 KiB of register state only once asked (arch_prctl, Linux 5.16 and later);
+// where it refuses, the products stay on vdpbf16ps.
+inline bool Permitted() {
+  constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return granted;
+}
+inline void Configure(const Config& config) { _tile_loadconfig(&config); }
+inline void Release() { _tile_release(); }
+// The instructions on tile numbers given as template arguments (GCC's _tile_* macros paste their argument's
+// spelling into the assembly, so they take only literal numbers).
+template <int T>
+inline void Zero() {
+  asm volatile("tilezero %%tmm%c0" ::"i"(T));
+}
+template <int T>
+inline void Load(const void* base, int64_t stride) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(T) : "memory");
+}
+template <int T>
+inline void Store(void* base, int64_t stride) {
+  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(T) : "memory");
+}
+// C += A . B: C's rows x 16 float32 sums, A's rows x 16 bfloat16 pairs of k, B 16 rows (pairs of k) x 16 columns
+// of pairs.
+template <int C, int A, int B>
+inline void Dot() {
+  asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+}
+}  // namespace jpaged::tiles
+#endif
+#endif
 
 namespace {
 
@@ -159,6 +214,85 @@ void Panels(const X* x, int rows, int K, const T* panel, Out* out, int N, int wi
   });
 }
 
+#if defined(JPAGED_MATMUL_AMX)
+constexpr int kTileRows = 16, kTileK = 32;  // a tile of x: 16 rows x 32 bfloat16 (64 bytes)
+
+// Whether a bfloat16 product of this K goes through the tiles: every tile of x is a whole 32 k wide (the model's
+// K are), and the process may use them. Taken for any number of rows, so that a row's sums are summed alike
+// whatever the batch.
+inline bool OnTiles(int K) { return K % kTileK == 0 && tiles::Permitted(); }
+
+// An item's `count` panels as the tiles' B operand takes them: rows k and k + 1 interleaved, 16 (k, k + 1) pairs a
+// 64-byte row (PairSteps' pairing), stored once an item into a buffer of the thread's that stays in cache while
+// every row group reads it.
+inline const uint16_t* PairedPanels(const uint16_t* panel, int K, int count) {
+  constexpr int kAhead = 2048 / (kPanel * static_cast<int>(sizeof(uint16_t)));  // rows of k asked for early
+  thread_local std::vector<uint16_t> paired;
+  paired.resize(static_cast<size_t>(count) * K * kPanel);
+  for (int64_t k = 0; k < static_cast<int64_t>(count) * K; k += 2) {
+    __builtin_prefetch(panel + (k + kAhead) * kPanel);
+    const __m512i rows = _mm512_loadu_si512(panel + k * kPanel);
+    _mm512_storeu_si512(paired.data() + k * kPanel, _mm512_permutexvar_epi16(PairIndex(), rows));
+  }
+  return paired.data();
+}
+
+// The item's product on the tiles, NP panels (one or two): rows in groups of up to two tiles of 16; tiles 0-3 hold
+// a group's sums (C[g][p] = 2g + p), 4-5 its x (A[g]), 6-7 the panels' pairs (B[p]); every x tile meets every panel
+// tile. Groups of fewer rows configure tiles of fewer rows, so no row past `rows` is read.
+template <int NP, typename Out>
+void TilePanels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
+  const uint16_t* paired = PairedPanels(panel, K, NP);
+  const int64_t x_stride = static_cast<int64_t>(K) * sizeof(uint16_t), pair_stride = 2 * kPanel * sizeof(uint16_t);
+  alignas(64) float sums[2][NP][kTileRows][kPanel];
+  tiles::Config config;
+  for (int m = 0; m < rows; m += 2 * kTileRows) {
+    const int group[2] = {std::min(kTileRows, rows - m), std::clamp(rows - m - kTileRows, 0, kTileRows)};
+    if (m == 0 || group[0] != config.rows[4] || group[1] != config.rows[5]) {  // shaped for other rows
+      for (int g = 0; g < 2; ++g) {
+        for (int p = 0; p < NP; ++p) config.rows[2 * g + p] = group[g], config.colsb[2 * g + p] = group[g] ? 64 : 0;
+        config.rows[4 + g] = group[g], config.colsb[4 + g] = group[g] ? 64 : 0;
+      }
+      for (int p = 0; p < NP; ++p) config.rows[6 + p] = kTileK / 2, config.colsb[6 + p] = 64;
+      tiles::Configure(config);
+    }
+    const bool two = group[1] > 0;
+    tiles::Zero<0>();
+    if (NP == 2) tiles::Zero<1>();
+    if (two) {
+      tiles::Zero<2>();
+      if (NP == 2) tiles::Zero<3>();
+    }
+    for (int k = 0; k < K; k += kTileK) {
+      tiles::Load<4>(x + static_cast<int64_t>(m) * K + k, x_stride);
+      if (two) tiles::Load<5>(x + static_cast<int64_t>(m + kTileRows) * K + k, x_stride);
+      tiles::Load<6>(paired + static_cast<int64_t>(k) * kPanel, pair_stride);
+      if (NP == 2) tiles::Load<7>(paired + (static_cast<int64_t>(K) + k) * kPanel, pair_stride);
+      tiles::Dot<0, 4, 6>();
+      if (NP == 2) tiles::Dot<1, 4, 7>();
+      if (two) {
+        tiles::Dot<2, 5, 6>();
+        if (NP == 2) tiles::Dot<3, 5, 7>();
+      }
+    }
+    tiles::Store<0>(sums[0][0], sizeof sums[0][0][0]);
+    if (NP == 2) tiles::Store<1>(sums[0][NP - 1], sizeof sums[0][0][0]);
+    if (two) {
+      tiles::Store<2>(sums[1][0], sizeof sums[0][0][0]);
+      if (NP == 2) tiles::Store<3>(sums[1][NP - 1], sizeof sums[0][0][0]);
+    }
+    for (int g = 0; g < 2; ++g)
+      for (int p = 0; p < NP; ++p) {
+        const __mmask16 columns = p + 1 < NP ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
+        for (int r = 0; r < group[g]; ++r)
+          StoreSums(_mm512_load_ps(sums[g][p][r]), out + static_cast<int64_t>(m + g * kTileRows + r) * N + p * kPanel,
+                    columns);
+      }
+  }
+  tiles::Release();
+}
+#endif
+
 // A work item's `count` adjacent panels (one or two), the last `width` columns wide.
 template <typename X, typename T, typename Out>
 void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T* ahead) {
@@ -168,6 +302,15 @@ void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out
   using Steps = std::conditional_t<std::is_same<T, float>::value, FloatSteps, WidenedSteps>;
 #endif
   static_assert(kPanelsPerItem == 2);
+#if defined(JPAGED_MATMUL_AMX)
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    if (OnTiles(K)) {
+      if (rows == 0) return;  // nothing to configure the tiles for
+      if (count == 2) return TilePanels<2>(x, rows, K, panel, out, N, width);
+      return TilePanels<1>(x, rows, K, panel, out, N, width);
+    }
+  }
+#endif
   if (count == 2) return Panels<Steps, 2>(x, rows, K, panel, out, N, width, ahead);
   Panels<Steps, 1>(x, rows, K, panel, out, N, width, ahead);
 }
@@ -261,11 +404,17 @@ void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out
 }
 #endif
 
-#if defined(__AVX512BF16__)
-constexpr const char* kBfloat16Arithmetic = "avx512_bf16";
-#else
-constexpr const char* kBfloat16Arithmetic = "";  // none: widened to float32
+// The bfloat16 instructions this build multiplies with ("" for none), for the engine's choice of dtype.
+inline const char* Bfloat16Arithmetic() {
+#if defined(JPAGED_MATMUL_AMX)
+  if (tiles::Permitted()) return "amx_bf16";
 #endif
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#else
+  return "";  // none: widened to float32
+#endif
+}
 
 // x as the row blocks read it: float32, or for bfloat16 its words where the dot instructions take them.
 inline const float* KernelRows(const float* x, int64_t, std::vector<float>&) { return x; }
@@ -330,8 +479,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer panels,
 
 }  // namespace
 
-// The bfloat16 instructions this build multiplies with ("" for none), for the engine's choice of dtype.
-extern "C" const char* JpagedBfloat16Arithmetic() { return kBfloat16Arithmetic; }
+extern "C" const char* JpagedBfloat16Arithmetic() { return Bfloat16Arithmetic(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmul, Matmul,
                               ffi::Ffi::Bind()

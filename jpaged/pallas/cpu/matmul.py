@@ -2,7 +2,7 @@
 
 A weight matrix w [K, N] ([in, out]) is stored as panels of 16 columns, `pack(w)` [P, K, 16] (P = ceil(N / 16),
 the last panel zero-padded), each panel contiguous, so a step streams it from memory once while a block of results
-(8 rows x 32 columns with AVX-512, 6 x 16 with AVX2) sits in registers. A layer's stack [L, K, N] packs to
+(8 rows x 32 columns with AVX-512, 6 x 16 with AVX2, 32 x 32 in AMX tiles for bfloat16) sits in registers. A layer's stack [L, K, N] packs to
 [L, P, K, 16] and the kernel reads layer `layer` in place. Only the first `rows` rows of x are computed (the rest of
 the output is zero): a decode step of 6 sequences padded to 16 tokens does 6 rows of work.
 
