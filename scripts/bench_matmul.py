@@ -6,8 +6,14 @@ gate_up 576x3072, down 1536x576; 30 layers, random weights, one jitted chain per
 before the kernel: each layer's matrices as separate arrays, stored [out, in] and contracted on both last axes
 (the faster of XLA's options at small row counts). Median of --repeats.
 
+--gated times the MLP the two ways the engine can run it: the kernel's gate_up product [rows, 3072] then XLA's
+silu(gate) * up (models.llama.silu_and_mul), against the kernel's gated form, which computes the activation on the
+sums as it stores them (the engine's choice where gate and up are multiples of 16 wide); the down product after
+either.
+
   python scripts/bench_matmul.py                        # 8, 16, 64, 512 rows, float32
   python scripts/bench_matmul.py --rows 6,16 --dtype bfloat16
+  python scripts/bench_matmul.py --rows 1,64,512 --dtype bfloat16 --gated
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path when run)
 
+from jpaged.models.llama import silu_and_mul  # noqa: E402
 from jpaged.pallas.cpu import matmul as cpu_matmul  # noqa: E402
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N) per layer, in order
@@ -43,6 +50,44 @@ def chain(matmul):
     return jax.jit(run)
 
 
+def gated_table(weights: list, rows_list: list[int], dtype, repeats: int, rng) -> None:
+    """Every layer's MLP in turn (gate_up, activation, down; each layer's x the last one's output plus a residual,
+    as in the model): the unfused product and XLA's activation against the gated form."""
+    (k, width), half = SHAPES[2], SHAPES[2][1] // 2
+    gate_up, down = (jnp.stack([layer[i] for layer in weights]) for i in (2, 3))
+
+    def mlp(activation):
+        def run(w, down, x):
+            for i in range(NUM_LAYERS):
+                x = x + 1e-2 * cpu_matmul.matmul(activation(x, w, i), down, k, layer=i)  # stays finite
+            return x
+
+        return jax.jit(run)
+
+    unfused = mlp(lambda x, w, i: silu_and_mul(cpu_matmul.matmul(x, w, width, layer=i), (half, half), 1))
+    gated = mlp(lambda x, w, i: cpu_matmul.gated_matmul(x, w, half, layer=i))
+    panels, gated_panels, down_panels = (
+        cpu_matmul.pack(gate_up),
+        cpu_matmul.pack_gated(gate_up),
+        cpu_matmul.pack(down),
+    )
+    print(f"\n{NUM_LAYERS} layers' MLP (gate_up {k}x{width}, activation, down), in turn; median of {repeats}")
+    print("| rows | product + XLA activation ms | gated form ms | speed-up | max abs diff |")
+    print("|---|---|---|---|---|")
+    for rows in rows_list:
+        x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+        unfused_s = median_seconds(unfused, (panels, down_panels, x), repeats)
+        gated_s = median_seconds(gated, (gated_panels, down_panels, x), repeats)
+        a, b = (
+            np.asarray(f(w, down_panels, x), np.float64)
+            for f, w in ((unfused, panels), (gated, gated_panels))
+        )
+        print(
+            f"| {rows} | {1e3 * unfused_s:.2f} | {1e3 * gated_s:.2f} | {unfused_s / gated_s:.2f}x "
+            f"| {np.abs(a - b).max():.1e} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -50,6 +95,7 @@ def main() -> None:
     parser.add_argument("--rows", default="8,16,64,512")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--gated", action="store_true", help="also time gate_up's gated form")
     args = parser.parse_args()
     if not cpu_matmul.supports(args.dtype):
         raise SystemExit("the C++ CPU kernels could not be built here")
@@ -82,6 +128,8 @@ def main() -> None:
             f"| {rows} | {1e3 * xla_s:.1f} | {1e3 * kernel_s:.1f} | {xla_s / kernel_s:.2f}x "
             f"| {rows * flops_per_row / kernel_s / 1e9:.0f} | {nbytes / kernel_s / 1e9:.1f} | {diff:.1e} |"
         )
+    if args.gated:
+        gated_table(weights, list(map(int, args.rows.split(","))), dtype, args.repeats, rng)
     print("\ncommand: python scripts/bench_matmul.py " + " ".join(sys.argv[1:]))
 
 

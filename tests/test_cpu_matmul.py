@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jpaged.models.llama import silu_and_mul
 from jpaged.pallas.cpu import library
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
@@ -81,7 +82,7 @@ def _build(name: str, tmp: str) -> tuple[str, ctypes.CDLL]:
         [Path(cpu_matmul.__file__).with_name("matmul.cc")], built, march=march, extra=extra
     )
     target = f"jpaged_matmul_{name.replace('-', '_')}"
-    return target, library.register(built, {target: "JpagedMatmul"})
+    return target, library.register(built, {target: "JpagedMatmul", f"{target}_gated": "JpagedMatmulGated"})
 
 
 def _runnable_build(name: str, tmp_path_factory) -> tuple[str, ctypes.CDLL]:
@@ -90,9 +91,9 @@ def _runnable_build(name: str, tmp_path_factory) -> tuple[str, ctypes.CDLL]:
     return _build(name, str(tmp_path_factory.getbasetemp()))
 
 
-def _call(target: str, x: jax.Array, panels: jax.Array, n: int, rows: int) -> np.ndarray:
-    """Layer 1 of the panels' stack, as float32."""
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+def _call(target: str, x: jax.Array, panels: jax.Array, n: int, rows: int, dtype=jnp.float32) -> np.ndarray:
+    """Layer 1 of the panels' stack, as `dtype`."""
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), dtype))
     return np.asarray(call(x, panels, jnp.ones(1, jnp.int32), jnp.full(1, rows, jnp.int32)))
 
 
@@ -111,6 +112,17 @@ def test_each_build_matches_float64_numpy(name, tmp_path_factory):
         expected = np.asarray(x, np.float64)[:rows] @ np.asarray(w, np.float64)[1]
         error = np.abs(got[:rows] - expected).max() / np.abs(expected).max()
         assert error <= TOLERANCE[dtype], (m, k, n, dtype)
+        assert not got[rows:].any()
+    # The gated form, gate and up f wide, in x's dtype (its sums rounded to it).
+    for (m, k, f, rows), dtype in itertools.product(
+        [(5, 37, 16, 3), (64, 576, 48, 64), (40, 64, 32, 37)], TOLERANCE
+    ):
+        w = jnp.asarray(rng.standard_normal((2, k, 2 * f)) / np.sqrt(k), dtype)
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        got = np.asarray(_call(f"{target}_gated", x, cpu_matmul.pack_gated(w), f, rows, x.dtype), np.float64)
+        expected = _silu_and_mul_float64(x[:rows], w[1])
+        error = np.abs(got[:rows] - expected).max() / np.abs(expected).max()
+        assert error <= 3 * TOLERANCE[dtype], ("gated", m, k, f, dtype)
         assert not got[rows:].any()
 
 
@@ -142,6 +154,56 @@ def test_the_amx_build_multiplies_on_the_tiles(tmp_path):
     assert {"ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"} <= set(code.split())
 
 
+@jax.jit(static_argnames=("n",))
+def _gated(x, panels, layer, rows, *, n):
+    return cpu_matmul.gated_matmul(x, panels, n, layer=layer, rows=rows)
+
+
+def _silu_and_mul_float64(x, w):
+    h = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    gate, up = np.split(h, 2, axis=-1)
+    return gate / (1 + np.exp(-gate)) * up
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("m", "k", "f"), [(1, 8, 16), (7, 40, 48), (64, 576, 1536), (512, 64, 32)], ids=str)
+def test_the_gated_form_gives_silu_of_gate_times_up_in_float64_numpy(m, k, f, dtype):
+    rng = np.random.default_rng([m, k, f])
+    w = jnp.asarray(rng.standard_normal((3, k, 2 * f)) / np.sqrt(k), dtype)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    layer, rows = int(rng.integers(0, 3)), int(rng.integers(1, m + 1))
+    got = _gated(x, cpu_matmul.pack_gated(w), layer, rows, n=f)
+    assert got.shape == (m, f) and got.dtype == x.dtype
+    expected = _silu_and_mul_float64(x[:rows], w[layer])
+    got = np.asarray(got, np.float64)
+    # bfloat16: gate, up and the activation each rounded to bfloat16, as the unfused product and XLA round them
+    assert np.abs(got[:rows] - expected).max() <= 3 * TOLERANCE[dtype] * np.abs(expected).max()
+    assert not got[rows:].any()
+
+
+def test_the_gated_form_gives_the_unfused_products_bits_in_bfloat16():
+    """The same bits as the [M, 2F] product followed by llama.py's silu_and_mul (XLA's activation), so the
+    engine's bfloat16 output does not depend on which of the two it took."""
+    rng = np.random.default_rng(9)
+    w = jnp.asarray(rng.standard_normal((1, 576, 2 * 1536)) / 24, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((64, 576)), jnp.bfloat16)
+    unfused = silu_and_mul(_matmul(x, cpu_matmul.pack(w), 0, 50, n=2 * 1536), (1536, 1536), 1)
+    np.testing.assert_array_equal(
+        np.asarray(_gated(x, cpu_matmul.pack_gated(w), 0, 50, n=1536), np.float32),
+        np.asarray(unfused, np.float32),
+    )
+
+
+def test_gated_packing_alternates_gate_and_up_panels():
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, 64)), jnp.float32)
+    panels = cpu_matmul.pack_gated(w)
+    assert panels.shape == (2, 4, 5, 16)
+    for i, columns in enumerate([range(0, 16), range(32, 48), range(16, 32), range(48, 64)]):
+        np.testing.assert_array_equal(panels[:, i], w[:, :, list(columns)])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        cpu_matmul.pack_gated(jnp.zeros((5, 40)))
+
+
 def test_packing_keeps_every_column_and_pads_with_zeros():
     w = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, 37)), jnp.float32)
     panels = cpu_matmul.pack(w)
@@ -164,6 +226,20 @@ def test_bad_input_raises_value_error_naming_the_field(x_shape, x_dtype, n, opti
     panels = cpu_matmul.pack(jnp.zeros((5, 20), jnp.float32))
     with pytest.raises(ValueError, match=message):
         cpu_matmul.matmul(jnp.zeros(x_shape, x_dtype), panels, n, **options)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "x_dtype", "n", "message"),
+    [
+        ((4, 6), jnp.float32, 16, "do not make"),  # K 6 vs the panels' 5
+        ((4, 5), jnp.float32, 32, "do not make"),  # the panels hold gate and up 16 wide, not 32
+        ((4, 5), jnp.bfloat16, 16, "float32 or bfloat16"),  # dtype differs from the panels'
+    ],
+)
+def test_bad_gated_input_raises_value_error(x_shape, x_dtype, n, message):
+    panels = cpu_matmul.pack_gated(jnp.zeros((5, 32), jnp.float32))
+    with pytest.raises(ValueError, match=message):
+        cpu_matmul.gated_matmul(jnp.zeros(x_shape, x_dtype), panels, n)
 
 
 def test_float16_is_not_taken():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -178,6 +179,24 @@ def test_bfloat16_panels_give_the_logits_of_the_stacked_layout(tiny_model_dir):
         stacked, panels = (runs[layout].step(prompts, starts, ends) for layout in ("stacked", "panels"))
         for expected, got in zip(stacked, panels, strict=True):
             assert relative_error(got, expected) < 2e-2
+
+
+def test_panels_give_the_same_logits_with_and_without_the_gated_form(tiny_model_dir):
+    """The matmul kernel's gated form (the MLP's activation on the gate|up sums) against the unfused product with
+    XLA's activation, which panels take where gate and up are not multiples of 16 wide."""
+    loaded = load_model(str(tiny_model_dir("llama")), progress=False)
+    gated = choose_products(loaded.params, "panels")
+    assert gated.gated_form
+    prompts = [list(map(int, np.random.default_rng(4).integers(0, 49152, n))) for n in (9, 20)]
+    runs = [
+        PagedRun(loaded, len(prompts), products=p)
+        for p in (gated, dataclasses.replace(gated, gated_form=False))
+    ]
+    for starts, ends in (([0, 0], [7, 18]), ([7, 18], [9, 20])):
+        with_form, without = (run.step(prompts, starts, ends) for run in runs)
+        for expected, got in zip(without, with_form, strict=True):
+            assert relative_error(got, expected) < 1e-5
+            np.testing.assert_array_equal(got.argmax(-1), expected.argmax(-1))
 
 
 def test_unsupported_architecture_is_a_value_error(tmp_path):

@@ -83,9 +83,23 @@ class MatrixProducts(Protocol):
         stack where `name` is in `whole_matrices`."""
         ...
 
+    def gated(
+        self, weight: jax.Array, x: jax.Array, layer: jax.Array, rows: jax.Array, sizes: tuple[int, int]
+    ) -> jax.Array:
+        """The MLP's activation silu(x @ gate) * (x @ up) from layer `layer`'s gate_up matrix (as `layer` takes
+        it), gate and up `sizes` wide, computed as `silu_and_mul` computes it."""
+        ...
+
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         """float32 logits [R, V] of the final hidden states h [R, D]; `weight` is the embedding when tied."""
         ...
+
+
+def silu_and_mul(gate_up: jax.Array, sizes: tuple[int, int], fused_groups: int) -> jax.Array:
+    """silu(gate) * up of a gate|up product. SiLU in float32, rounded once, as torch's does for bfloat16: XLA's
+    bfloat16 SiLU rounds after every op, each rounding a conversion of its own on CPU."""
+    gate, up = split_fused(gate_up, sizes, fused_groups)
+    return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,9 @@ class StackedProducts:
 
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
         return x @ weight
+
+    def gated(self, weight, x, layer, rows, sizes) -> jax.Array:
+        return silu_and_mul(self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups)
 
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         return jnp.dot(h, weight.T if tied else weight, preferred_element_type=jnp.float32)
@@ -135,6 +152,9 @@ class StepContext:
 
     def matmul(self, name: str, weight: nnx.Param, x: jax.Array, layer: jax.Array) -> jax.Array:
         return self.products.layer(name, weight[...], x, layer, self.live_tokens)
+
+    def gated(self, weight: nnx.Param, x: jax.Array, layer: jax.Array, sizes: tuple[int, int]) -> jax.Array:
+        return self.products.gated(weight[...], x, layer, self.live_tokens, sizes)
 
 
 class RMSNorm(nnx.Module):
@@ -211,12 +231,7 @@ class GatedMLP(nnx.Module):
         self.down = _weight((f, d), dtype, (MLP, EMBED))
 
     def __call__(self, x: jax.Array, layer: jax.Array, step: StepContext) -> jax.Array:
-        gate_up = step.matmul("gate_up", self.gate_up, x, layer)
-        gate, up = split_fused(gate_up, self.sizes, step.products.fused_groups)
-        # SiLU in float32, rounded once, as torch's does for bfloat16: XLA's bfloat16 SiLU rounds after every op,
-        # each rounding a conversion of its own on CPU.
-        act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
-        return step.matmul("down", self.down, act * up, layer)
+        return step.matmul("down", self.down, step.gated(self.gate_up, x, layer, self.sizes), layer)
 
 
 class DecoderLayer(nnx.Module):

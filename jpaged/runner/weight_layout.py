@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jpaged.models.llama import LAYER_MATRICES, STACKED, MatrixProducts, params_dtype
+from jpaged.models.llama import LAYER_MATRICES, STACKED, MatrixProducts, params_dtype, silu_and_mul
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
@@ -29,25 +29,30 @@ class PanelProducts:
     """The products of the CPU matmul kernel over params in the layout `layout` makes: the same tree, with each
     layer matrix's stack as panels [L, P, K, 16] (handed to the kernel whole, with the layer's index) and the LM
     head as panels; a tied embedding is then read from the LM head's panels, so the vocabulary matrix is held
-    once. `widths` are the matrices' output sizes (panels round them up to 16)."""
+    once. `widths` are the matrices' output sizes (panels round them up to 16). Where gate and up are each a
+    multiple of 16 wide (`gated_form`), gate_up packs for the kernel's gated form, which computes the MLP's
+    activation on its sums."""
 
     widths: tuple[tuple[str, int], ...]
     vocab_size: int
     tied: bool
+    gated_form: bool = False
     whole_matrices: tuple[str, ...] = tuple(LAYER_MATRICES)
     fused_groups: int = 1
 
     @classmethod
     def for_params(cls, params: dict) -> PanelProducts:
         widths = tuple((name, _at(params["layers"], path).shape[-1]) for name, path in LAYER_MATRICES.items())
-        return cls(widths, params["embed"]["weight"].shape[0], "lm_head" not in params)
+        gated_form = cpu_matmul.gated_packs(dict(widths)["gate_up"])
+        return cls(widths, params["embed"]["weight"].shape[0], "lm_head" not in params, gated_form)
 
     def layout(self, params: dict) -> dict:
         laid_out = jax.tree_util.tree_map(lambda leaf: leaf, params)  # a copy of the dicts, not of the arrays
-        for path in LAYER_MATRICES.values():
+        for name, path in LAYER_MATRICES.items():
             *parents, leaf = path
             node = _at(laid_out["layers"], parents)
-            node[leaf] = cpu_matmul.pack(node[leaf])
+            pack = cpu_matmul.pack_gated if name == "gate_up" and self.gated_form else cpu_matmul.pack
+            node[leaf] = pack(node[leaf])
         if self.tied:
             laid_out["embed"]["weight"] = cpu_matmul.pack(params["embed"]["weight"].T)
         else:
@@ -59,6 +64,11 @@ class PanelProducts:
 
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
         return cpu_matmul.matmul(x, weight, dict(self.widths)[name], layer=layer, rows=rows)
+
+    def gated(self, weight, x, layer, rows, sizes) -> jax.Array:
+        if self.gated_form:
+            return cpu_matmul.gated_matmul(x, weight, sizes[0], layer=layer, rows=rows)
+        return silu_and_mul(self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups)
 
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         return cpu_matmul.matmul(h, weight, self.vocab_size, rows=rows, out_dtype=jax.numpy.float32)

@@ -1,9 +1,10 @@
-// What the CPU kernels (paged_attention.cc, matmul.cc) share: eight-float vectors, bfloat16 conversion, the
-// AVX-512 word pairing for vdpbf16ps and a parallel loop over XLA's intra-op thread pool.
+// What the CPU kernels (paged_attention.cc, matmul.cc) share: eight-float vectors, bfloat16 conversion, vector exp,
+// the AVX-512 word pairing for vdpbf16ps and a parallel loop over XLA's intra-op thread pool.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -11,7 +12,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512BW__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -48,6 +49,39 @@ inline V8 Load(const uint16_t* x) {  // eight bfloat16 widened to float32
 }
 inline void Store(float* x, V8 v) { *reinterpret_cast<V8*>(x) = v; }
 inline float Sum(V8 v) { return (v[0] + v[4]) + (v[1] + v[5]) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// exp on every lane: glibc's vector math library (libmvec, -DJPAGED_LIBMVEC) where it is linked, else lane by lane.
+#if defined(JPAGED_LIBMVEC) && defined(__AVX2__)
+extern "C" __m256 _ZGVdN8v_expf(__m256);
+inline V8 Exp(V8 x) { return reinterpret_cast<V8>(_ZGVdN8v_expf(reinterpret_cast<__m256>(x))); }
+#else
+inline V8 Exp(V8 x) {
+  for (int i = 0; i < 8; ++i) x[i] = std::exp(x[i]);
+  return x;
+}
+#endif
+#if defined(__AVX512F__) && defined(JPAGED_LIBMVEC)
+extern "C" __m512 _ZGVeN16v_expf(__m512);
+inline __m512 Exp(__m512 x) { return _ZGVeN16v_expf(x); }
+#elif defined(__AVX512F__)
+inline __m512 Exp(__m512 x) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, x);
+  for (float& lane : lanes) lane = std::exp(lane);
+  return _mm512_load_ps(lanes);
+}
+#endif
+
+// Every lane rounded to bfloat16 (nearest even, as FromFloat) and widened back: a float32 vector (V8, __m512).
+template <typename V>
+inline V RoundedToBfloat16(V v) {
+  typedef uint32_t Bits __attribute__((vector_size(sizeof(V))));
+  Bits bits;
+  std::memcpy(&bits, &v, sizeof v);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 
 #if defined(__AVX512BW__)
 // Word indices for _mm512_permutexvar_epi16 that interleave a register's two halves, (w[i], w[16 + i]) for i < 16:

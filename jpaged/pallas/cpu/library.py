@@ -32,6 +32,7 @@ TARGETS = {
     "jpaged_paged_attention": "JpagedPagedAttention",
     "jpaged_uninitialized": "JpagedUninitialized",
     "jpaged_matmul": "JpagedMatmul",
+    "jpaged_matmul_gated": "JpagedMatmulGated",
 }
 # What the kernels compute on (kernel.h converts bfloat16 to and from float32; float16 is not handled).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))

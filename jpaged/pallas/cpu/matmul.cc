@@ -1,6 +1,8 @@
 // The model's matrix products on the CPU, as an XLA FFI custom call (see matmul.py for the layout and the
 // contract): out[m, n] = sum_k x[m, k] * w[k, n] for the first `rows` rows of x, with w given as panels of 16
-// columns, [L, P, K, 16], one layer of a stack picked by index.
+// columns, [L, P, K, 16], one layer of a stack picked by index. Its gated form (JpagedMatmulGated) computes an MLP's
+// activation in the same pass: its panels alternate gate and up columns, and each output column n is
+// silu(x . gate[:, n]) * (x . up[:, n]), without the [M, 2N] product ever being stored.
 //
 // Why it exists: XLA's CPU dots of a decode step (8-64 rows against thousands of weight columns) reach a fraction
 // of the machine's memory bandwidth, and padded rows cost as much as real ones (README, bench_matmul.py). Here each
@@ -99,6 +101,18 @@ inline void ForRowBlocks(int rows, int m, Fn block) {
   LastBlock<kRows - 1>(rows - m, m, block);
 }
 
+// The gated form's output from a gate and an up sum (vectors of float32), as llama.py's GatedMLP computes it from
+// an unfused product's output: both rounded to the output's type, SiLU in float32 (x / (1 + exp(-x)) as XLA expands
+// it) rounded once, times up (rounded where it is stored).
+template <typename Out, typename V>
+inline V GatedSums(V gate, V up) {
+  constexpr bool kBfloat16 = std::is_same<Out, uint16_t>::value;
+  if constexpr (kBfloat16) gate = RoundedToBfloat16(gate), up = RoundedToBfloat16(up);
+  V act = gate * (1.0f / (1.0f + Exp(-gate)));
+  if constexpr (kBfloat16) act = RoundedToBfloat16(act);
+  return act * up;
+}
+
 #if defined(JPAGED_MATMUL_AVX512)
 constexpr int kWideRowBlock = 8;  // x two panels: 16 accumulators of 16 columns; AVX-512 has 32 registers
 
@@ -160,7 +174,7 @@ inline void StoreSums(__m512 sums, uint16_t* out, __mmask16 mask) {
 // scripts/KERNELS.md). The later blocks, which find the panels in cache, ask for the thread's next item's panels
 // (`ahead`) into L2, block `phase` of `period` every period-th step: without it that item's first block waits on
 // memory, one block's arithmetic taking the panels in faster than one core's reads from memory bring them.
-template <typename Steps, int MR, int NP, bool kFirst, typename X, typename T, typename Out>
+template <typename Steps, int MR, int NP, bool kFirst, bool kGated, typename X, typename T, typename Out>
 inline void DotBlock(const X* x, int K, const T* panel, Out* out, int64_t ldo, int width, const T* ahead = nullptr,
                      int phase = 0, int period = 1) {
   constexpr int kStep = Steps::kStep, kAheadBytes = 2048;
@@ -196,6 +210,12 @@ inline void DotBlock(const X* x, int K, const T* panel, Out* out, int64_t ldo, i
       step(w, [k](const X* x_row) { return Steps::BroadcastLast(x_row, k); });
     }
   }
+  if constexpr (kGated) {  // panels (gate, up): one panel of outputs
+    static_assert(NP == 2);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) StoreSums(GatedSums<Out>(acc[0][m], acc[1][m]), out + m * ldo, 0xFFFF);
+    return;
+  }
   for (int p = 0; p < NP; ++p) {
     const __mmask16 columns = p + 1 < NP ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
 #pragma GCC unroll 16
@@ -203,14 +223,16 @@ inline void DotBlock(const X* x, int K, const T* panel, Out* out, int64_t ldo, i
   }
 }
 
-// NP panels side by side, the last one `width` columns wide; every row block reads the panels as they are.
-template <typename Steps, int NP, typename X, typename T, typename Out>
+// NP panels side by side, the last one `width` columns wide (or a gate and an up panel, kGated); every row block
+// reads the panels as they are.
+template <typename Steps, int NP, bool kGated, typename X, typename T, typename Out>
 void Panels(const X* x, int rows, int K, const T* panel, Out* out, int N, int width, const T* ahead) {
   ForRowBlocks<kWideRowBlock>(rows, 0, [&](auto mr, int m) {
     constexpr int MR = decltype(mr)::value;
-    if (m == 0) return DotBlock<Steps, MR, NP, true>(x, K, panel, out, N, width);
+    if (m == 0) return DotBlock<Steps, MR, NP, true, kGated>(x, K, panel, out, N, width);
     const int later = (rows - 1) / kWideRowBlock;  // the blocks after the first, which share `ahead`'s reads
-    DotBlock<Steps, MR, NP, false>(x + m * K, K, panel, out + m * N, N, width, ahead, m / kWideRowBlock - 1, later);
+    DotBlock<Steps, MR, NP, false, kGated>(x + m * K, K, panel, out + m * N, N, width, ahead, m / kWideRowBlock - 1,
+                                           later);
   });
 }
 
@@ -240,7 +262,7 @@ inline const uint16_t* PairedPanels(const uint16_t* panel, int K, int count) {
 // The item's product on the tiles, NP panels (one or two): rows in groups of up to two tiles of 16; tiles 0-3 hold
 // a group's sums (C[g][p] = 2g + p), 4-5 its x (A[g]), 6-7 the panels' pairs (B[p]); every x tile meets every panel
 // tile. Groups of fewer rows configure tiles of fewer rows, so no row past `rows` is read.
-template <int NP, typename Out>
+template <int NP, bool kGated, typename Out>
 void TilePanels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
   const uint16_t* paired = PairedPanels(panel, K, NP);
   const int64_t x_stride = static_cast<int64_t>(K) * sizeof(uint16_t), pair_stride = 2 * kPanel * sizeof(uint16_t);
@@ -282,19 +304,24 @@ void TilePanels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* 
       if (NP == 2) tiles::Store<3>(sums[1][NP - 1], sizeof sums[0][0][0]);
     }
     for (int g = 0; g < 2; ++g)
-      for (int p = 0; p < NP; ++p) {
-        const __mmask16 columns = p + 1 < NP ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
-        for (int r = 0; r < group[g]; ++r)
-          StoreSums(_mm512_load_ps(sums[g][p][r]), out + static_cast<int64_t>(m + g * kTileRows + r) * N + p * kPanel,
-                    columns);
+      for (int r = 0; r < group[g]; ++r) {
+        Out* row = out + static_cast<int64_t>(m + g * kTileRows + r) * N;
+        if constexpr (kGated) {
+          StoreSums(GatedSums<Out>(_mm512_load_ps(sums[g][0][r]), _mm512_load_ps(sums[g][NP - 1][r])), row, 0xFFFF);
+          continue;
+        }
+        for (int p = 0; p < NP; ++p)
+          StoreSums(_mm512_load_ps(sums[g][p][r]), row + p * kPanel,
+                    p + 1 < NP ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1));
       }
   }
   tiles::Release();
 }
 #endif
 
-// A work item's `count` adjacent panels (one or two), the last `width` columns wide.
-template <typename X, typename T, typename Out>
+// A work item's `count` adjacent panels (one or two), the last `width` columns wide; with kGated, its two panels are
+// a gate's and an up's, `width` 16.
+template <bool kGated, typename X, typename T, typename Out>
 void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T* ahead) {
 #if defined(__AVX512BF16__)
   using Steps = std::conditional_t<std::is_same<T, float>::value, FloatSteps, PairSteps>;
@@ -306,13 +333,13 @@ void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out
   if constexpr (std::is_same<T, uint16_t>::value) {
     if (OnTiles(K)) {
       if (rows == 0) return;  // nothing to configure the tiles for
-      if (count == 2) return TilePanels<2>(x, rows, K, panel, out, N, width);
-      return TilePanels<1>(x, rows, K, panel, out, N, width);
+      if (count == 2) return TilePanels<2, kGated>(x, rows, K, panel, out, N, width);
+      return TilePanels<1, false>(x, rows, K, panel, out, N, width);
     }
   }
 #endif
-  if (count == 2) return Panels<Steps, 2>(x, rows, K, panel, out, N, width, ahead);
-  Panels<Steps, 1>(x, rows, K, panel, out, N, width, ahead);
+  if (count == 2) return Panels<Steps, 2, kGated>(x, rows, K, panel, out, N, width, ahead);
+  Panels<Steps, 1, false>(x, rows, K, panel, out, N, width, ahead);
 }
 #else
 constexpr int kRowBlock = 6;  // rows per block: 12 accumulators + 2 panel vectors + 1 broadcast <= 16 AVX registers
@@ -395,9 +422,23 @@ void Panel(const float* x, int rows, int K, const uint16_t* panel, Out* out, int
   Rows(x, rows, K, static_cast<const float*>(widened.data()), out, N, width, kRowBlock);
 }
 
-// A work item's `count` adjacent panels, the last `width` columns wide.
-template <typename X, typename T, typename Out>
+// A work item's `count` adjacent panels, the last `width` columns wide; with kGated, a gate's and an up's panel,
+// whose float32 sums go through a buffer of the thread's (K x 128 bytes) to be combined.
+template <bool kGated, typename X, typename T, typename Out>
 void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T*) {
+  if constexpr (kGated) {
+    constexpr int kPair = 2 * kPanel;
+    thread_local std::vector<float> sums;
+    sums.resize(static_cast<size_t>(rows) * kPair);
+    for (int p = 0; p < 2; ++p) Panel(x, rows, K, panel + static_cast<int64_t>(p) * K * kPanel, sums.data() + p * kPanel,
+                                      kPair, kPanel);
+    for (int m = 0; m < rows; ++m) {
+      const float* row = sums.data() + m * kPair;
+      StoreRow(GatedSums<Out>(Load(row), Load(row + kPanel)), GatedSums<Out>(Load(row + 8), Load(row + kPanel + 8)),
+               out + static_cast<int64_t>(m) * N, kPanel);
+    }
+    return;
+  }
   for (int p = 0; p < count; ++p)
     Panel(x, rows, K, panel + static_cast<int64_t>(p) * K * kPanel, out + p * kPanel, N,
           p + 1 < count ? kPanel : width);
@@ -428,31 +469,36 @@ inline const float* KernelRows(const uint16_t* x, int64_t size, std::vector<floa
 }
 #endif
 
-template <typename T, typename Out>
+// The product (kGated: the gated form; N a multiple of 16) on the pool's threads, an item of two panels each.
+template <bool kGated, typename T, typename Out>
 void Run(ffi::ThreadPool& pool, const T* x_in, const T* panels, Out* out, int M, int rows, int K, int N) {
   std::memset(out + static_cast<int64_t>(rows) * N, 0, sizeof(Out) * static_cast<int64_t>(M - rows) * N);
   std::vector<float> buffer;
   const auto* x = KernelRows(x_in, static_cast<int64_t>(rows) * K, buffer);
-  const int num_panels = (N + kPanel - 1) / kPanel;
+  const int num_panels = kGated ? 2 * N / kPanel : (N + kPanel - 1) / kPanel;
   const int num_items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
   auto item_panels = [&](int item) { return panels + static_cast<int64_t>(item) * kPanelsPerItem * K * kPanel; };
   ParallelFor</*kClaimAhead=*/true>(pool, num_items, [&](int item, int next) {
     const int last = std::min(num_panels, (item + 1) * kPanelsPerItem);
     const int first = item * kPanelsPerItem;
-    ItemPanels(x, rows, K, item_panels(item), last - first, out + first * kPanel, N,
-               std::min(kPanel, N - (last - 1) * kPanel), next < 0 ? nullptr : item_panels(next));
+    const int column = (kGated ? item : first) * kPanel;
+    const int width = kGated ? kPanel : std::min(kPanel, N - (last - 1) * kPanel);
+    ItemPanels<kGated>(x, rows, K, item_panels(item), last - first, out + column, N, width,
+                       next < 0 ? nullptr : item_panels(next));
     return true;
   });
 }
 
+template <bool kGated>
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer panels, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
   auto xd = x.dimensions(), pd = panels.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || pd.size() != 4 || od.size() != 2 || pd[3] != kPanel)
     return ffi::Error::InvalidArgument("expected x [M, K], panels [L, P, K, 16], out [M, N]");
   const int M = static_cast<int>(xd[0]), K = static_cast<int>(xd[1]), N = static_cast<int>(od[1]);
-  if (od[0] != M || pd[2] != K || pd[1] != (N + kPanel - 1) / kPanel)
+  if (od[0] != M || pd[2] != K || pd[1] != (kGated ? 2 * N / kPanel : (N + kPanel - 1) / kPanel))
     return ffi::Error::InvalidArgument("x, panels and out do not agree on M, K and N");
+  if (kGated && N % kPanel != 0) return ffi::Error::InvalidArgument("the gated form takes N a multiple of 16");
   const auto dtype = x.element_type(), out_dtype = out->element_type();
   if (panels.element_type() != dtype || (out_dtype != dtype && out_dtype != ffi::DataType::F32))
     return ffi::Error::InvalidArgument("x and the panels must share one dtype, the output be it or float32");
@@ -461,17 +507,18 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer panels,
   const int live = std::clamp(rows.typed_data()[0], 0, M);
   const int64_t offset = static_cast<int64_t>(layer_index) * pd[1] * K * kPanel;
   if (dtype == ffi::DataType::F32) {
-    Run(pool, static_cast<const float*>(x.untyped_data()), static_cast<const float*>(panels.untyped_data()) + offset,
-        static_cast<float*>(out->untyped_data()), M, live, K, N);
+    Run<kGated>(pool, static_cast<const float*>(x.untyped_data()),
+                static_cast<const float*>(panels.untyped_data()) + offset, static_cast<float*>(out->untyped_data()), M,
+                live, K, N);
     return ffi::Error::Success();
   }
   if (dtype == ffi::DataType::BF16) {
     auto* xp = static_cast<const uint16_t*>(x.untyped_data());
     auto* pp = static_cast<const uint16_t*>(panels.untyped_data()) + offset;
     if (out_dtype == ffi::DataType::F32)
-      Run(pool, xp, pp, static_cast<float*>(out->untyped_data()), M, live, K, N);
+      Run<kGated>(pool, xp, pp, static_cast<float*>(out->untyped_data()), M, live, K, N);
     else
-      Run(pool, xp, pp, static_cast<uint16_t*>(out->untyped_data()), M, live, K, N);
+      Run<kGated>(pool, xp, pp, static_cast<uint16_t*>(out->untyped_data()), M, live, K, N);
     return ffi::Error::Success();
   }
   return ffi::Error::InvalidArgument("only float32 and bfloat16 are supported");
@@ -481,11 +528,15 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer panels,
 
 extern "C" const char* JpagedBfloat16Arithmetic() { return Bfloat16Arithmetic(); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmul, Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // x
-                                  .Arg<ffi::AnyBuffer>()         // panels
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows
-                                  .Ret<ffi::AnyBuffer>());       // out
+// What both forms are called with: x, panels, layer, rows -> out.
+static auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()         // x
+      .Arg<ffi::AnyBuffer>()         // panels
+      .Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .Arg<ffi::Buffer<ffi::S32>>()  // rows
+      .Ret<ffi::AnyBuffer>();        // out
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmul, Matmul<false>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmulGated, Matmul<true>, Binding());

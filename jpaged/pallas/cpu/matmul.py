@@ -2,9 +2,13 @@
 
 A weight matrix w [K, N] ([in, out]) is stored as panels of 16 columns, `pack(w)` [P, K, 16] (P = ceil(N / 16),
 the last panel zero-padded), each panel contiguous, so a step streams it from memory once while a block of results
-(8 rows x 32 columns with AVX-512, 6 x 16 with AVX2, 32 x 32 in AMX tiles for bfloat16) sits in registers. A layer's stack [L, K, N] packs to
-[L, P, K, 16] and the kernel reads layer `layer` in place. Only the first `rows` rows of x are computed (the rest of
+(8 rows x 32 columns with AVX-512, 6 x 16 with AVX2, 32 x 32 in AMX tiles for bfloat16) sits in registers. A
+layer's stack [L, K, N] packs to [L, P, K, 16] and the kernel reads layer `layer` in place. Only the first `rows` rows of x are computed (the rest of
 the output is zero): a decode step of 6 sequences padded to 16 tokens does 6 rows of work.
+
+An MLP's gate and up matrices, [K, 2F] side by side, pack for the gated form (`pack_gated`: gate and up panels
+alternating), whose product `gated_matmul` is silu(x @ gate) * (x @ up) [M, F]: the activation computed on the sums
+as they leave the registers, not by XLA in passes of its own over a [M, 2F] product (scripts/KERNELS.md).
 
 XLA's own CPU dots of a decode step (8-64 rows) reach a fraction of the memory bandwidth and pay for padded rows;
 `python scripts/bench_matmul.py` compares the two. A row's result does not depend on the other rows: every output is
@@ -21,6 +25,7 @@ from jpaged.rounding import cdiv
 
 PANEL = 16
 _TARGET = "jpaged_matmul"
+_GATED_TARGET = "jpaged_matmul_gated"
 
 
 def supports(dtype) -> bool:
@@ -34,6 +39,24 @@ def pack(w: jax.Array) -> jax.Array:
     n = w.shape[-1]
     w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, -n % PANEL)])
     return jnp.swapaxes(w.reshape(*w.shape[:-1], -1, PANEL), -2, -3)
+
+
+def gated_packs(width: int) -> bool:
+    """Whether a gate|up matrix `width` (2F) columns wide takes the gated form: F a multiple of 16."""
+    return width % (2 * PANEL) == 0
+
+
+@jax.jit
+def pack_gated(w: jax.Array) -> jax.Array:
+    """gate|up w [..., K, 2F] -> panels [..., 2F / 16, K, 16] in the order gate 0, up 0, gate 1, up 1, ..."""
+    if not gated_packs(w.shape[-1]):
+        raise ValueError(
+            f"the gated form needs gate and up widths that are multiples of {PANEL}, got {w.shape}"
+        )
+    panels = pack(w)
+    lead, (num_panels, k, _) = panels.shape[:-3], panels.shape[-3:]
+    halves = panels.reshape(*lead, 2, num_panels // 2, k, PANEL)
+    return jnp.swapaxes(halves, -3, -4).reshape(panels.shape)
 
 
 def columns(panels: jax.Array, ids: jax.Array) -> jax.Array:
@@ -62,6 +85,33 @@ def matmul(
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be x's dtype or float32, got {out_dtype}")
+    return _call(_TARGET, x, panels, n, layer, rows, out_dtype)
+
+
+def gated_matmul(
+    x: jax.Array,
+    panels: jax.Array,
+    n: int,
+    *,
+    layer: jax.Array | int = 0,
+    rows: jax.Array | int | None = None,
+) -> jax.Array:
+    """silu(x @ gate) * (x @ up) [M, n] in x's dtype, from `pack_gated` panels of gate|up [K, 2n] (or a stack of
+    them with `layer`), rounded as the unfused product's output and its activation would be; rows past `rows` come
+    back zero."""
+    library.require()
+    if panels.ndim == 3:
+        panels = panels[None]
+    if x.ndim != 2 or panels.ndim != 4 or panels.shape[2] != x.shape[1] or panels.shape[1] * PANEL != 2 * n:
+        raise ValueError(f"x {x.shape} and gated panels {panels.shape} do not make an [M, {n}] activation")
+    if n % PANEL:
+        raise ValueError(f"the gated form needs n a multiple of {PANEL}, got {n}")
+    if x.dtype != panels.dtype or jnp.dtype(x.dtype) not in library.SUPPORTED_DTYPES:
+        raise ValueError(f"x and panels must both be float32 or bfloat16, got {x.dtype} and {panels.dtype}")
+    return _call(_GATED_TARGET, x, panels, n, layer, rows, x.dtype)
+
+
+def _call(target: str, x, panels, n: int, layer, rows, out_dtype) -> jax.Array:
     rows = x.shape[0] if rows is None else rows
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(rows, jnp.int32).reshape(1))

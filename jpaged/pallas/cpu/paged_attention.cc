@@ -10,10 +10,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(JPAGED_LIBMVEC) || defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
 #include "kernel.h"
 
 namespace {
@@ -38,16 +34,6 @@ struct Problem {
 struct Item {
   int seq, row0, rows;
 };
-
-#if defined(JPAGED_LIBMVEC) && defined(__AVX2__)
-extern "C" __m256 _ZGVdN8v_expf(__m256);  // glibc's libmvec: expf on eight lanes
-inline V8 Exp(V8 x) { return reinterpret_cast<V8>(_ZGVdN8v_expf(reinterpret_cast<__m256>(x))); }
-#else
-inline V8 Exp(V8 x) {
-  for (int i = 0; i < 8; ++i) x[i] = std::exp(x[i]);
-  return x;
-}
-#endif
 
 // s[0:count] = exp(s[0:count] - shift), returning their sum. Vectors of eight: a decode step takes one exp per cached
 // token and query head, which one by one was a large part of its attention (scripts/KERNELS.md).
@@ -309,18 +295,6 @@ inline __m512 Sums16(const __m512* v) {
                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-#if defined(JPAGED_LIBMVEC)
-extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc's libmvec: expf on sixteen lanes
-inline __m512 Exp16(__m512 x) { return _ZGVeN16v_expf(x); }
-#else
-inline __m512 Exp16(__m512 x) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, x);
-  for (float& lane : lanes) lane = std::exp(lane);
-  return _mm512_load_ps(lanes);
-}
-#endif
-
 // Word indices that interleave two rows of 32 words (a, b) column by column: (a[i], b[i]) for i in [16h, 16h + 16).
 inline __m512i InterleaveIndex(int half) {
   alignas(64) uint16_t index[32];
@@ -424,7 +398,7 @@ bool AttendRowOnWords(const Problem& p, const uint16_t* q_row, const uint16_t* k
     __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < padded; j += 16) {
       const __mmask16 mask = valid(j);
-      const __m512 e = _mm512_maskz_mov_ps(mask, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), shift)));
+      const __m512 e = _mm512_maskz_mov_ps(mask, Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), shift)));
       sum = _mm512_add_ps(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + static_cast<size_t>(i) * padded + j),
                           (__m256i)_mm512_cvtneps_pbh(e));
@@ -538,13 +512,13 @@ void AttendQueriesOnWords(const Problem& p, const uint16_t* q_rows, const uint16
         block_max = _mm512_mask_max_ps(block_max, visible, block_max, _mm512_loadu_ps(s));
       }
       const __m512 new_max = _mm512_max_ps(max[g], block_max);
-      correction[g] = Exp16(_mm512_sub_ps(max[g], new_max));
+      correction[g] = Exp(_mm512_sub_ps(max[g], new_max));
       max[g] = new_max;
       __m512 block_sum = _mm512_setzero_ps();
       for (int j = 0; j < count; ++j) {
         const __mmask16 visible = _mm512_cmpge_epi32_mask(pos[g], _mm512_set1_epi32(key0 + j));
         float* s = scores + (j * NG + g) * kLanes;
-        const __m512 e = _mm512_maskz_mov_ps(visible, Exp16(_mm512_sub_ps(_mm512_loadu_ps(s), new_max)));
+        const __m512 e = _mm512_maskz_mov_ps(visible, Exp(_mm512_sub_ps(_mm512_loadu_ps(s), new_max)));
         block_sum = _mm512_add_ps(block_sum, e);
         _mm512_storeu_ps(s, e);
       }
