@@ -423,7 +423,7 @@ void Panel(const float* x, int rows, int K, const uint16_t* panel, Out* out, int
 }
 
 // A work item's `count` adjacent panels, the last `width` columns wide; with kGated, a gate's and an up's panel,
-// whose float32 sums go through a buffer of the thread's (K x 128 bytes) to be combined.
+// whose float32 sums go through a buffer of the thread's (rows x 128 bytes) to be combined.
 template <bool kGated, typename X, typename T, typename Out>
 void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T*) {
   if constexpr (kGated) {
