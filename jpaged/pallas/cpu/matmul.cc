@@ -362,18 +362,32 @@ inline void StoreRow(V8 lo, V8 hi, uint16_t* out, int width) {
   for (int j = 0; j < width; ++j) FromFloat(row[j], out + j);
 }
 
+// The thread's next item's panel as a later row block asks for it into L2: row k when k is phase + a multiple of
+// period, so that the later blocks of a panel share its reads (DotBlock's look-ahead).
+struct Ahead {
+  const char* panel = nullptr;
+  int row_bytes = 0, phase = 0, period = 1;
+};
+
 // out[m][0:width] = x[m] . panel for MR rows: each row's x[m][k] broadcast against the panel's 16 columns.
 // The first block over a panel (kFirst) reads it from memory and asks for its rows kAhead steps early: the
 // hardware prefetcher alone leaves decode-sized products waiting on memory (scripts/KERNELS.md); later blocks find
-// the panel in cache. A first block given `widened` also stores the panel's rows there as float32.
+// the panel in cache, and ask for their share of `ahead`. A first block given `widened` also stores the panel's
+// rows there as float32.
 template <int MR, bool kFirst, typename T, typename Out>
-inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, int width, float* widened) {
+inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, int width, float* widened,
+                  Ahead ahead = {}) {
   constexpr int kAhead = 16;
   V8 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = V8{};
+  int due = ahead.panel ? ahead.phase : K;
   for (int k = 0; k < K; ++k) {
     if (kFirst) __builtin_prefetch(panel + (k + kAhead) * kPanel);
+    if (k == due) {
+      __builtin_prefetch(ahead.panel + static_cast<int64_t>(k) * ahead.row_bytes, 0, 1);
+      due += ahead.period;
+    }
     const V8 w_lo = Load(panel + k * kPanel), w_hi = Load(panel + k * kPanel + 8);
     if (kFirst && widened) {
       Store(widened + k * kPanel, w_lo);
@@ -390,48 +404,55 @@ inline void Block(const float* x, int K, const T* panel, Out* out, int64_t ldo, 
   for (int m = 0; m < MR; ++m) StoreRow(lo[m], hi[m], out + m * ldo, width);
 }
 
-// Rows [m, m + MR) of a panel's product.
+// Rows [m, m + MR) of a panel's product; a later block (m > 0) takes its share of the next item's `ahead`.
 template <int MR, typename T, typename Out>
 inline void RowBlock(const float* x, int K, const T* panel, Out* out, int N, int width, int m,
-                     float* widened = nullptr) {
+                     float* widened = nullptr, Ahead ahead = {}) {
   if (m == 0) return Block<MR, true>(x, K, panel, out, N, width, widened);
-  Block<MR, false>(x + m * K, K, panel, out + m * N, N, width, nullptr);
+  Block<MR, false>(x + m * K, K, panel, out + m * N, N, width, nullptr, ahead);
 }
 
+// Rows [m, rows) of a panel's product; `ahead`, the next item's panel, shared among the blocks after the first.
 template <typename T, typename Out>
-void Rows(const float* x, int rows, int K, const T* panel, Out* out, int N, int width, int m) {
+void Rows(const float* x, int rows, int K, const T* panel, Out* out, int N, int width, int m, Ahead ahead) {
+  ahead.period = std::max(1, (rows - 1) / kRowBlock);
   ForRowBlocks<kRowBlock>(rows, m, [&](auto mr, int at) {
-    RowBlock<decltype(mr)::value>(x, K, panel, out, N, width, at);
+    ahead.phase = at / kRowBlock - 1;
+    RowBlock<decltype(mr)::value>(x, K, panel, out, N, width, at, nullptr, ahead);
   });
 }
 
 template <typename Out>
-void Panel(const float* x, int rows, int K, const float* panel, Out* out, int N, int width) {
-  Rows(x, rows, K, panel, out, N, width, 0);
+void Panel(const float* x, int rows, int K, const float* panel, Out* out, int N, int width, Ahead ahead) {
+  Rows(x, rows, K, panel, out, N, width, 0, ahead);
 }
 
 // A bfloat16 panel is widened once, by its first row block, into a float32 copy (K x 64 bytes, cache-resident)
 // that the later blocks read: widening costs two vector operations per load, which batches of many row blocks
 // would otherwise pay for each block. Widening is exact, so every row's sums are those of a single block.
 template <typename Out>
-void Panel(const float* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
-  if (rows <= kRowBlock) return Rows(x, rows, K, panel, out, N, width, 0);
+void Panel(const float* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width, Ahead ahead) {
+  if (rows <= kRowBlock) return Rows(x, rows, K, panel, out, N, width, 0, ahead);
   thread_local std::vector<float> widened;
   widened.resize(static_cast<size_t>(K) * kPanel);
   RowBlock<kRowBlock>(x, K, panel, out, N, width, 0, widened.data());
-  Rows(x, rows, K, static_cast<const float*>(widened.data()), out, N, width, kRowBlock);
+  Rows(x, rows, K, static_cast<const float*>(widened.data()), out, N, width, kRowBlock, ahead);
 }
 
 // A work item's `count` adjacent panels, the last `width` columns wide; with kGated, a gate's and an up's panel,
 // whose float32 sums go through a buffer of the thread's (rows x 128 bytes) to be combined.
 template <bool kGated, typename X, typename T, typename Out>
-void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T*) {
+void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T* next) {
+  const int64_t panel_elements = static_cast<int64_t>(K) * kPanel;
+  auto ahead = [&](int p) {  // the next item's panel p (past the last item's one panel: a prefetch, never read)
+    return Ahead{next ? reinterpret_cast<const char*>(next + p * panel_elements) : nullptr, kPanel * sizeof(T)};
+  };
   if constexpr (kGated) {
     constexpr int kPair = 2 * kPanel;
     thread_local std::vector<float> sums;
     sums.resize(static_cast<size_t>(rows) * kPair);
-    for (int p = 0; p < 2; ++p) Panel(x, rows, K, panel + static_cast<int64_t>(p) * K * kPanel, sums.data() + p * kPanel,
-                                      kPair, kPanel);
+    for (int p = 0; p < 2; ++p)
+      Panel(x, rows, K, panel + p * panel_elements, sums.data() + p * kPanel, kPair, kPanel, ahead(p));
     for (int m = 0; m < rows; ++m) {
       const float* row = sums.data() + m * kPair;
       StoreRow(GatedSums<Out>(Load(row), Load(row + kPanel)), GatedSums<Out>(Load(row + 8), Load(row + kPanel + 8)),
@@ -440,8 +461,7 @@ void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out
     return;
   }
   for (int p = 0; p < count; ++p)
-    Panel(x, rows, K, panel + static_cast<int64_t>(p) * K * kPanel, out + p * kPanel, N,
-          p + 1 < count ? kPanel : width);
+    Panel(x, rows, K, panel + p * panel_elements, out + p * kPanel, N, p + 1 < count ? kPanel : width, ahead(p));
 }
 #endif
 
