@@ -75,13 +75,7 @@ def matmul(
 ) -> jax.Array:
     """x [M, K] @ w [K, n] from w's panels ([P, K, 16], or [L, P, K, 16] with `layer` picking one), summed in
     float32 and returned as `out_dtype` (x's, or float32); rows past `rows` (default M) come back zero."""
-    library.require()
-    if panels.ndim == 3:
-        panels = panels[None]
-    if x.ndim != 2 or panels.ndim != 4 or panels.shape[2] != x.shape[1] or panels.shape[1] != cdiv(n, PANEL):
-        raise ValueError(f"x {x.shape} and panels {panels.shape} do not make an [M, {n}] product")
-    if x.dtype != panels.dtype or jnp.dtype(x.dtype) not in library.SUPPORTED_DTYPES:
-        raise ValueError(f"x and panels must both be float32 or bfloat16, got {x.dtype} and {panels.dtype}")
+    panels = _checked(x, panels, n, cdiv(n, PANEL), "product")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be x's dtype or float32, got {out_dtype}")
@@ -99,16 +93,22 @@ def gated_matmul(
     """silu(x @ gate) * (x @ up) [M, n] in x's dtype, from `pack_gated` panels of gate|up [K, 2n] (or a stack of
     them with `layer`), rounded as the unfused product's output and its activation would be; rows past `rows` come
     back zero."""
+    if n % PANEL:
+        raise ValueError(f"the gated form needs n a multiple of {PANEL}, got {n}")
+    panels = _checked(x, panels, n, 2 * n // PANEL, "activation")
+    return _call(_GATED_TARGET, x, panels, n, layer, rows, x.dtype)
+
+
+def _checked(x: jax.Array, panels: jax.Array, n: int, num_panels: int, what: str) -> jax.Array:
+    """The panels as a stack [L, P, K, 16], once x, n and their shapes and dtypes agree (else ValueError)."""
     library.require()
     if panels.ndim == 3:
         panels = panels[None]
-    if x.ndim != 2 or panels.ndim != 4 or panels.shape[2] != x.shape[1] or panels.shape[1] * PANEL != 2 * n:
-        raise ValueError(f"x {x.shape} and gated panels {panels.shape} do not make an [M, {n}] activation")
-    if n % PANEL:
-        raise ValueError(f"the gated form needs n a multiple of {PANEL}, got {n}")
+    if x.ndim != 2 or panels.ndim != 4 or panels.shape[2] != x.shape[1] or panels.shape[1] != num_panels:
+        raise ValueError(f"x {x.shape} and panels {panels.shape} do not make an [M, {n}] {what}")
     if x.dtype != panels.dtype or jnp.dtype(x.dtype) not in library.SUPPORTED_DTYPES:
         raise ValueError(f"x and panels must both be float32 or bfloat16, got {x.dtype} and {panels.dtype}")
-    return _call(_GATED_TARGET, x, panels, n, layer, rows, x.dtype)
+    return panels
 
 
 def _call(target: str, x, panels, n: int, layer, rows, out_dtype) -> jax.Array:
