@@ -24,6 +24,11 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
 SHAPES = [(1, 8, 1), (7, 40, 24), (16, 576, 960), (13, 1536, 576), (64, 100, 33), (512, 64, 50)]  # (M, K, N)
 
 
+def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
+    """The largest difference from float64 numpy, relative to the largest expected magnitude."""
+    return float(np.abs(got - expected).max() / np.abs(expected).max())
+
+
 @jax.jit(static_argnames=("n", "out_dtype"))
 def _matmul(x, panels, layer, rows, *, n, out_dtype=None):
     return cpu_matmul.matmul(x, panels, n, layer=layer, rows=rows, out_dtype=out_dtype)
@@ -42,7 +47,7 @@ def test_live_rows_match_float64_numpy_and_the_rest_are_zero(m, k, n, dtype, out
     assert got.shape == (m, n) and got.dtype == (jnp.float32 if out_float32 else x.dtype)
     expected = np.asarray(x, np.float64)[:rows] @ np.asarray(w, np.float64)[layer]
     got = np.asarray(got, np.float64)
-    assert np.abs(got[:rows] - expected).max() <= TOLERANCE[dtype] * np.abs(expected).max()
+    assert _relative_error(got[:rows], expected) <= TOLERANCE[dtype]
     assert not got[rows:].any()
 
 
@@ -110,8 +115,7 @@ def test_each_build_matches_float64_numpy(name, tmp_path_factory):
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
         got = _call(target, x, cpu_matmul.pack(w), n, rows)
         expected = np.asarray(x, np.float64)[:rows] @ np.asarray(w, np.float64)[1]
-        error = np.abs(got[:rows] - expected).max() / np.abs(expected).max()
-        assert error <= TOLERANCE[dtype], (m, k, n, dtype)
+        assert _relative_error(got[:rows], expected) <= TOLERANCE[dtype], (m, k, n, dtype)
         assert not got[rows:].any()
     # The gated form, gate and up f wide, in x's dtype (its sums rounded to it).
     for (m, k, f, rows), dtype in itertools.product(
@@ -121,8 +125,7 @@ def test_each_build_matches_float64_numpy(name, tmp_path_factory):
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
         got = np.asarray(_call(f"{target}_gated", x, cpu_matmul.pack_gated(w), f, rows, x.dtype), np.float64)
         expected = _silu_and_mul_float64(x[:rows], w[1])
-        error = np.abs(got[:rows] - expected).max() / np.abs(expected).max()
-        assert error <= 3 * TOLERANCE[dtype], ("gated", m, k, f, dtype)
+        assert _relative_error(got[:rows], expected) <= 3 * TOLERANCE[dtype], ("gated", m, k, f, dtype)
         assert not got[rows:].any()
 
 
@@ -177,7 +180,7 @@ def test_the_gated_form_gives_silu_of_gate_times_up_in_float64_numpy(m, k, f, dt
     expected = _silu_and_mul_float64(x[:rows], w[layer])
     got = np.asarray(got, np.float64)
     # bfloat16: gate, up and the activation each rounded to bfloat16, as the unfused product and XLA round them
-    assert np.abs(got[:rows] - expected).max() <= 3 * TOLERANCE[dtype] * np.abs(expected).max()
+    assert _relative_error(got[:rows], expected) <= 3 * TOLERANCE[dtype]
     assert not got[rows:].any()
 
 

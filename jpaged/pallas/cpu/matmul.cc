@@ -113,8 +113,21 @@ inline V GatedSums(V gate, V up) {
   return act * up;
 }
 
+// Panels an N-column product reads: ceil(N / 16), or in the gated form a gate and an up panel for each 16 outputs.
+template <bool kGated>
+inline int NumPanels(int N) {
+  return kGated ? 2 * N / kPanel : (N + kPanel - 1) / kPanel;
+}
+
 #if defined(JPAGED_MATMUL_AVX512)
 constexpr int kWideRowBlock = 8;  // x two panels: 16 accumulators of 16 columns; AVX-512 has 32 registers
+// How far ahead a first pass over a panel asks for its rows (the hardware prefetcher alone left decode-sized
+// products waiting on memory: scripts/KERNELS.md), in bytes and in rows of k of a T panel.
+constexpr int kAheadBytes = 2048;
+template <typename T>
+constexpr int RowsAhead() {
+  return kAheadBytes / (kPanel * static_cast<int>(sizeof(T)));
+}
 
 // What a row block multiplies with, by the panels' and x's element types. Each gives the k a step takes (kStep),
 // a panel's rows at k as an operand (Rows), x[m][k..] as the other (Broadcast), and the product added to an
@@ -158,27 +171,28 @@ struct WidenedSteps : FloatSteps {
 };
 #endif
 
-// Sixteen sums stored to the columns of `mask`: as they are, or rounded to bfloat16 as FromFloat rounds (to nearest
-// even, by integer arithmetic on the bits, four vector operations instead of sixteen scalar roundings).
+// Sixteen sums stored to the columns of `mask`: as they are, or rounded to bfloat16 as FromFloat rounds
+// (RoundedToBfloat16: vector operations instead of sixteen scalar roundings).
 inline void StoreSums(__m512 sums, float* out, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, sums); }
 inline void StoreSums(__m512 sums, uint16_t* out, __mmask16 mask) {
-  const __m512i bits = _mm512_castps_si512(sums);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __m512i rounded = _mm512_castps_si512(RoundedToBfloat16(sums));
   _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// The columns of panel p of np side by side that hold outputs: all sixteen, but the first `width` of the last.
+inline __mmask16 ColumnMask(int p, int np, int width) {
+  return p + 1 < np ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
 }
 
 // NP adjacent panels (NP x 16 columns) at once: NP x MR accumulators of sixteen lanes, each broadcast of x feeding
 // NP products, enough independent chains to cover the multiply's latency. A first block asks for the panels' rows
-// kAheadBytes early (the hardware prefetcher alone left decode-sized products waiting on memory:
-// scripts/KERNELS.md). The later blocks, which find the panels in cache, ask for the thread's next item's panels
+// kAheadBytes early. The later blocks, which find the panels in cache, ask for the thread's next item's panels
 // (`ahead`) into L2, block `phase` of `period` every period-th step: without it that item's first block waits on
 // memory, one block's arithmetic taking the panels in faster than one core's reads from memory bring them.
 template <typename Steps, int MR, int NP, bool kFirst, bool kGated, typename X, typename T, typename Out>
 inline void DotBlock(const X* x, int K, const T* panel, Out* out, int64_t ldo, int width, const T* ahead = nullptr,
                      int phase = 0, int period = 1) {
-  constexpr int kStep = Steps::kStep, kAheadBytes = 2048;
-  constexpr int kAhead = kAheadBytes / (kPanel * static_cast<int>(sizeof(T)));  // rows of k
+  constexpr int kStep = Steps::kStep, kAhead = RowsAhead<T>();
   const int64_t panel_elements = static_cast<int64_t>(K) * kPanel;
   __m512 acc[NP][MR];
 #pragma GCC unroll 16
@@ -217,7 +231,7 @@ inline void DotBlock(const X* x, int K, const T* panel, Out* out, int64_t ldo, i
     return;
   }
   for (int p = 0; p < NP; ++p) {
-    const __mmask16 columns = p + 1 < NP ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
+    const __mmask16 columns = ColumnMask(p, NP, width);
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) StoreSums(acc[p][m], out + p * kPanel + m * ldo, columns);
   }
@@ -248,7 +262,7 @@ inline bool OnTiles(int K) { return K % kTileK == 0 && tiles::Permitted(); }
 // 64-byte row (PairSteps' pairing), stored once an item into a buffer of the thread's that stays in cache while
 // every row group reads it.
 inline const uint16_t* PairedPanels(const uint16_t* panel, int K, int count) {
-  constexpr int kAhead = 2048 / (kPanel * static_cast<int>(sizeof(uint16_t)));  // rows of k asked for early
+  constexpr int kAhead = RowsAhead<uint16_t>();
   thread_local std::vector<uint16_t> paired;
   paired.resize(static_cast<size_t>(count) * K * kPanel);
   for (int64_t k = 0; k < static_cast<int64_t>(count) * K; k += 2) {
@@ -311,8 +325,7 @@ void TilePanels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* 
           continue;
         }
         for (int p = 0; p < NP; ++p)
-          StoreSums(_mm512_load_ps(sums[g][p][r]), row + p * kPanel,
-                    p + 1 < NP ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1));
+          StoreSums(_mm512_load_ps(sums[g][p][r]), row + p * kPanel, ColumnMask(p, NP, width));
       }
   }
   tiles::Release();
@@ -495,7 +508,7 @@ void Run(ffi::ThreadPool& pool, const T* x_in, const T* panels, Out* out, int M,
   std::memset(out + static_cast<int64_t>(rows) * N, 0, sizeof(Out) * static_cast<int64_t>(M - rows) * N);
   std::vector<float> buffer;
   const auto* x = KernelRows(x_in, static_cast<int64_t>(rows) * K, buffer);
-  const int num_panels = kGated ? 2 * N / kPanel : (N + kPanel - 1) / kPanel;
+  const int num_panels = NumPanels<kGated>(N);
   const int num_items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
   auto item_panels = [&](int item) { return panels + static_cast<int64_t>(item) * kPanelsPerItem * K * kPanel; };
   ParallelFor</*kClaimAhead=*/true>(pool, num_items, [&](int item, int next) {
@@ -516,7 +529,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer panels,
   if (xd.size() != 2 || pd.size() != 4 || od.size() != 2 || pd[3] != kPanel)
     return ffi::Error::InvalidArgument("expected x [M, K], panels [L, P, K, 16], out [M, N]");
   const int M = static_cast<int>(xd[0]), K = static_cast<int>(xd[1]), N = static_cast<int>(od[1]);
-  if (od[0] != M || pd[2] != K || pd[1] != (kGated ? 2 * N / kPanel : (N + kPanel - 1) / kPanel))
+  if (od[0] != M || pd[2] != K || pd[1] != NumPanels<kGated>(N))
     return ffi::Error::InvalidArgument("x, panels and out do not agree on M, K and N");
   if (kGated && N % kPanel != 0) return ffi::Error::InvalidArgument("the gated form takes N a multiple of 16");
   const auto dtype = x.element_type(), out_dtype = out->element_type();

@@ -501,7 +501,8 @@ void AttendQueriesOnWords(const Problem& p, const uint16_t* q_rows, const uint16
         }
       }
       for (int t = 0; t < 4 && j0 + t < count; ++t)
-        for (int g = 0; g < NG; ++g) _mm512_storeu_ps(scores + ((j0 + t) * NG + g) * kLanes, _mm512_mul_ps(s[t][g], scale));
+        for (int g = 0; g < NG; ++g)
+          _mm512_storeu_ps(scores + ((j0 + t) * NG + g) * kLanes, _mm512_mul_ps(s[t][g], scale));
     }
     // The online softmax, sixteen queries a register: keys past a query's position are masked out.
     for (int g = 0; g < NG; ++g) {
@@ -577,7 +578,8 @@ bool TileOnWords(const Problem& p, const uint16_t* q_rows, const uint16_t* k_lay
   const int num_blocks = (first_pos + rows - 1) / B + 1;
   for (int b = 0; b < num_blocks; ++b)
     if (table[b] < 0 || table[b] >= p.num_blocks) return false;
-  scratch.resize(static_cast<size_t>(kMaxRegisters) * kLanes * (D / 2 + D + B + B / 2) + static_cast<size_t>(B / 2) * D);
+  scratch.resize(static_cast<size_t>(kMaxRegisters) * kLanes * (D / 2 + D + B + B / 2) +
+                 static_cast<size_t>(B / 2) * D);
   for (int h = 0; h < p.num_kv_heads; ++h)
     for (int base = 0; base < n; base += kMaxRegisters * kLanes) {
       auto pass = [&](auto ng) {
