@@ -43,7 +43,9 @@ def _num_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-async def _engine_input(state: ServerState, body: ChatCompletionRequest) -> tuple[EngineInput, ReplyFormat]:
+async def chat_engine_input(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[EngineInput, ReplyFormat]:
     engine = state.engine.engine
     tools = plan_tools(body, auto_tool_parser=state.auto_tool_parser)
     constraint = requested_spec(body)
@@ -82,7 +84,7 @@ async def _engine_input(state: ServerState, body: ChatCompletionRequest) -> tupl
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
-    engine_input, reply = await _engine_input(state, body)
+    engine_input, reply = await chat_engine_input(state, body)
     state.admit()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     outputs = generate_outputs(
