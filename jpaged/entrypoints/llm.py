@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.engine.tokenizer import apply_chat_template
-from jpaged.entrypoints.arrays import GeneratedArrays, is_array, pack_outputs, prompt_rows
+from jpaged.entrypoints.arrays import GeneratedArrays, pack_outputs, prompt_rows
+from jpaged.entrypoints.prompts import EnginePrompt, PromptType, as_prompt_list
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import CausalLM, as_params
 from jpaged.models.loader import LoadedModel, ModelSource
@@ -22,8 +23,6 @@ from jpaged.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-
-PromptType = str | Sequence[int]
 
 
 class LLM:
@@ -75,10 +74,11 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (a str, a list of str, token-id lists, or a [B, T] token array).
+        """Outputs in the order of `prompts`: a str, token ids, vLLM's {"prompt": str} or
+        {"prompt_token_ids": [...]}, a list mixing them, or a [B, T] token array (see prompts.py).
 
         Only final outputs are read, so every request runs as FINAL_ONLY (on a copy of its params)."""
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [_final_only(sampling_params or SamplingParams())] * len(prompts)
         else:
@@ -131,7 +131,7 @@ class LLM:
         `length_penalty` and early_stopping=False; the beams share their prompt's KV blocks. Under
         `structured_outputs` every beam follows the grammar (transformers' constrained beam search)."""
         params = BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos, structured_outputs)
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         return self._add_and_run(prompts, [params] * len(prompts), use_tqdm)
 
     def chat(
@@ -163,7 +163,7 @@ class LLM:
 
     def _add_and_run(
         self,
-        prompts: list[PromptType],
+        prompts: list[EnginePrompt],
         params: list[SamplingParams] | list[BeamSearchParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
@@ -174,7 +174,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(f"offline-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p)
+                self.engine.add_request(ids[-1], prompt.prompt, p, cache_salt=prompt.cache_salt)
             return self._run(ids, use_tqdm)
         except BaseException:
             for request_id in ids:  # a bad prompt or an interrupt must not leave requests holding blocks
@@ -198,19 +198,6 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     params = params.clone()
     params.output_kind = RequestOutputKind.FINAL_ONLY
     return params
-
-
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if is_array(prompts) and prompts.ndim == 1:
-        return [[int(t) for t in prompts]]  # one prompt's token ids
-    if is_array(prompts) or (prompts and all(is_array(p) for p in prompts)):
-        return prompt_rows(prompts)  # a [B, T] array, or a list of 1-D arrays
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return prompts
 
 
 _default_llms: dict[tuple, LLM] = {}
