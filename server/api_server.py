@@ -34,7 +34,8 @@ from jpaged.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})  # probes and scrapers carry no API key
+# Probes and scrapers carry no API key.
+OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics", "/ping"})
 DEFAULT_MODEL_NAME = "jpaged-default"
 
 
@@ -48,6 +49,7 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     auto_tool_parser: str | None = None,
     reasoning_parser: str | None = None,
+    strict_request_fields: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running engine, warmed up (AsyncLLMEngine.from_config returns after its
     warm-up): its /ready is 200 from the start. The caller owns the engine (and shuts it down)."""
@@ -61,6 +63,7 @@ def build_app(
         max_waiting_requests=max_waiting_requests,
         auto_tool_parser=auto_tool_parser,
         reasoning_parser=reasoning_parser,
+        strict_request_fields=strict_request_fields,
     )
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, state=app.state.server)
@@ -96,6 +99,11 @@ def _add_info_routes(app: FastAPI) -> None:
         if not state.engine.is_alive:
             return error_response(503, state.engine.failure)
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping(request: Request) -> Response:
+        """vLLM's (and SageMaker's) liveness probe: /health under another name."""
+        return await health(request)
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
@@ -173,6 +181,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             max_request_body_bytes=args.max_request_body_bytes,
             auto_tool_parser=tool_parser,
             reasoning_parser=args.reasoning_parser,
+            strict_request_fields=args.strict_request_fields,
         )
 
     startup = StartupApp()

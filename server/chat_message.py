@@ -20,35 +20,46 @@ from jpaged_server.tool_parsers import StreamingToolParser, ToolFormat
 class ReplyFormat:
     reasoning: ThinkFormat | None
     tools: ToolFormat | None
+    include_reasoning: bool = True  # False: the reasoning is split off and dropped
+    legacy_functions: bool = False  # a call answers as `function_call` (the request gave `functions`)
 
     def message(self, text: str) -> AssistantMessage:
         reasoning, content = self.reasoning.parse(text) if self.reasoning else (None, text)
-        calls = None
+        reasoning = reasoning if self.include_reasoning else None
+        calls = []
         if self.tools is not None:
             parsed = self.tools.parse(content)
-            content, calls = parsed.content, parsed.tool_calls or None
+            content, calls = parsed.content, parsed.tool_calls
+        outs = [FunctionCallOut(name=c.name, arguments=c.arguments) for c in calls]
+        if self.legacy_functions:
+            return AssistantMessage(
+                content=content,
+                reasoning=reasoning,
+                reasoning_content=reasoning,
+                function_call=next(iter(outs), None),
+            )
         return AssistantMessage(
             content=content,
             reasoning=reasoning,
             reasoning_content=reasoning,
-            tool_calls=[
-                ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-                for c in calls
-            ]
-            if calls
-            else None,
+            tool_calls=[ToolCallOut(id=c.id, function=out) for c, out in zip(calls, outs, strict=True)]
+            or None,
         )
 
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """OpenAI says "tool_calls" when a reply that called tools stopped by itself."""
-    return "tool_calls" if called and reason == "stop" else reason
+def finish_reason(reason: str | None, called: bool, legacy_functions: bool = False) -> str | None:
+    """OpenAI says "tool_calls" ("function_call" for the legacy functions) when a reply that called tools stopped
+    by itself."""
+    if not (called and reason == "stop"):
+        return reason
+    return "function_call" if legacy_functions else "tool_calls"
 
 
 class StreamingReply:
     """One choice's deltas: reasoning, content and tool calls in OpenAI's delta shape."""
 
     def __init__(self, fmt: ReplyFormat) -> None:
+        self.format = fmt
         self._reasoning = StreamingReasoningParser(fmt.reasoning) if fmt.reasoning else None
         self._tools = StreamingToolParser(fmt.tools) if fmt.tools else None
 
@@ -56,35 +67,40 @@ class StreamingReply:
     def called(self) -> bool:
         return self._tools is not None and self._tools.num_calls > 0
 
-    def feed(self, text: str) -> DeltaMessage:
+    def feed(self, text: str, final: bool = False) -> DeltaMessage:
+        """The delta for the reply's next `text`; `final` once the reply is done, with all that the parsers held
+        back (a tag's possible start) until then."""
         reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
-        return self._delta(reasoning, content, final=False)
-
-    def finish(self) -> DeltaMessage:
-        reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
-        return self._delta(reasoning, content, final=True)
-
-    def _delta(self, reasoning: str, content: str, final: bool) -> DeltaMessage:
+        if final and self._reasoning:
+            more_reasoning, more_content = self._reasoning.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        if not self.format.include_reasoning:
+            reasoning = ""
         calls = []
         if self._tools is not None:
             new = self._tools.feed(content)
             if final:
-                done = self._tools.finish()
-                new.content += done.content
-                new.tool_calls += done.tool_calls
-            content = new.content
-            calls = [
+                new.add(self._tools.finish())
+            content, calls = new.content, new.tool_calls
+        delta = DeltaMessage(
+            content=content or None, reasoning=reasoning or None, reasoning_content=reasoning or None
+        )
+        if self.format.legacy_functions:
+            first = next((c for c in calls if c.index == 0), None)
+            if first is not None:
+                delta.function_call = FunctionCallOut(name=first.name, arguments=first.arguments)
+        elif calls:
+            delta.tool_calls = [
                 DeltaToolCall(
                     index=c.index,
                     id=c.id,
                     type="function" if c.id else None,
                     function=FunctionCallOut(name=c.name, arguments=c.arguments),
                 )
-                for c in new.tool_calls
+                for c in calls
             ]
-        return DeltaMessage(
-            content=content or None,
-            reasoning=reasoning or None,
-            reasoning_content=reasoning or None,
-            tool_calls=calls or None,
-        )
+        return delta
+
+    def finish(self) -> DeltaMessage:
+        """What the parsers held back until the reply was done."""
+        return self.feed("", final=True)

@@ -39,7 +39,11 @@ def chat_prompt_ids(
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
     tools: list[dict] | None = None,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
+    """The conversation's prompt ids. `continue_final_message`: the reply continues the last message (no end of
+    turn after it); `add_special_tokens`: the tokenizer's own BOS too, for templates that do not write it."""
     template_kwargs = template_kwargs or {}
     reserved = sorted(_reserved_kwargs(tokenizer) & template_kwargs.keys())
     if reserved:
@@ -51,7 +55,9 @@ def chat_prompt_ids(
             conversation,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
+            add_special_tokens=add_special_tokens,
             **({"tools": tools} if tools else {}),
+            **({"continue_final_message": True} if continue_final_message else {}),
             **template_kwargs,
         )
     except (
@@ -65,19 +71,23 @@ def chat_prompt_ids(
 def _template_message(message: ChatMessage) -> dict:
     """A message as chat templates read it: earlier tool calls with their arguments as objects (templates
     render them with tojson), a tool reply with the id of the call it answers."""
-    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    role = "tool" if message.role == "function" else message.role  # the legacy functions' reply is a tool's
+    out: dict[str, Any] = {"role": role, "content": message.text()}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
-    if message.tool_calls:
+    calls = [(call.id, call.function) for call in message.tool_calls or ()]
+    if message.function_call is not None:  # the legacy shape of one earlier call
+        calls.append((None, message.function_call))
+    if calls:
         out["tool_calls"] = [
             {
-                "id": call.id,
+                **({"id": call_id} if call_id else {}),
                 "type": "function",
-                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+                "function": {"name": function.name, "arguments": _arguments(function.arguments)},
             }
-            for call in message.tool_calls
+            for call_id, function in calls
         ]
     return out
 

@@ -39,6 +39,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413 before they are read whole",
     )
     parser.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse (400) request fields the server does not know, instead of ignoring them as vLLM does",
+    )
+    parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',

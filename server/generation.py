@@ -9,6 +9,7 @@ server's shutdown grace period ends.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -39,6 +40,12 @@ class GenerationStopped(Exception):
         self.client_gone = client_gone
 
 
+def response_id(prefix: str, asked: str | None, http_request: Request) -> str:
+    """The response's id: vLLM's, `<prefix>-<id>` with the id from the X-Request-Id header, else the body's
+    `request_id`, else a random one."""
+    return f"{prefix}-{http_request.headers.get('x-request-id') or asked or uuid.uuid4().hex}"
+
+
 async def _client_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -59,6 +66,7 @@ async def generate_outputs(
     step that ran this request failed.
     """
     queue: asyncio.Queue = asyncio.Queue()
+    engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # unique in the engine, whatever id the client chose
 
     async def pump(index: int, item: EngineInput) -> None:
         tracker = state.metrics.tracker()
@@ -66,7 +74,7 @@ async def generate_outputs(
             async for output in state.engine.generate(
                 item.prompt_ids,
                 item.params,
-                f"{request_id}-{index}",
+                f"{engine_id}-{index}",
                 priority=priority,
                 cache_salt=cache_salt,
             ):

@@ -5,9 +5,16 @@ Each engine entry maps token id -> Logprob for the sampled token (with its true 
 
 from __future__ import annotations
 
-from jpaged_server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from jpaged_server.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 
-from jpaged.outputs import Logprob
+from jpaged.outputs import Logprob, RequestOutput
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to this too
 
@@ -81,3 +88,17 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_t
             )
         )
     return ChatLogprobs(content=content)
+
+
+def vllm_prompt_logprobs(output: RequestOutput) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt position, None for the first, else token id -> logprob, rank and
+    decoded token (the prompt's own token and the top ones asked for)."""
+    return [
+        None
+        if entry is None
+        else {
+            token_id: PromptLogprob(logprob=_value(lp), rank=lp.rank, decoded_token=lp.decoded_token)
+            for token_id, lp in entry.items()
+        }
+        for entry in output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    ]

@@ -1,15 +1,26 @@
-"""Request and response bodies of the OpenAI-compatible API, with vLLM's extra sampling fields.
+"""Request and response bodies of the OpenAI-compatible API, with vLLM's extra fields.
 
-Request models forbid unknown fields: a parameter we do not implement is a 400 naming it, never silently
-ignored. Response models mirror OpenAI's; a streamed chat delta carries only the keys that changed.
+Request models accept what vLLM accepts: a field they do not declare is kept aside (pydantic's extras) for
+request_fields.py to ignore and report, or to refuse when it would change the output; `null` stands for a field's
+default wherever one is declared, as OpenAI's spec allows. Response models mirror OpenAI's (and vLLM's extras,
+present only when asked for); a streamed chat delta carries only the keys that changed.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 TokenIds = list[StrictInt]
 
@@ -19,7 +30,24 @@ MAX_STOP_STRINGS = 128  # each is looked for in every new piece of text: bounded
 
 class RequestModel(BaseModel):
     # NaN and infinity (Python's json reads them) are no number a client means: a 400 naming the field.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """`"stream": null` is OpenAI's "not given" (vllm bench serve sends `logprobs: null`): a field with a
+        default takes it. A required field stays required."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None
+            or key not in fields
+            or fields[key].is_required()
+            or fields[key].default is None
+        }
 
     @field_validator("*")
     @classmethod
@@ -49,11 +77,10 @@ def _check_unicode(value: Any) -> None:
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (guidellm asks for it)
 
 
 class JsonSchemaFormat(RequestModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
     name: str
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
@@ -63,12 +90,11 @@ class JsonSchemaFormat(RequestModel):
 class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # json_object with a schema (instructor's)
 
 
 class StructuredOutputsRequest(RequestModel):
     """vLLM's `structured_outputs`: exactly one of these (jpaged.sampling_params.StructuredOutputsParams)."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -90,7 +116,6 @@ class SamplingRequest(RequestModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # an end-user id for abuse tracking; accepted as OpenAI does, not used
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras
@@ -98,6 +123,8 @@ class SamplingRequest(RequestModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -105,14 +132,26 @@ class SamplingRequest(RequestModel):
     use_beam_search: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    request_id: str | None = None  # the response's id (after its prefix), as vLLM uses it
+    return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = (
+        None  # keep the prompt's last k; -1: max_model_len
+    )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older spelling of structured_outputs, one field a kind
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = None  # sample best_of, return the n of highest cumulative logprob
     add_special_tokens: bool = True  # vLLM's default for raw prompts (a chat template writes its own BOS)
     length_penalty: float = 1.0  # beam search only: scores are cumulative_logprob / length ** length_penalty
 
@@ -134,19 +173,21 @@ class ToolCallMessage(RequestModel):
 
 
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[
+        "system", "developer", "user", "assistant", "tool", "function"
+    ]  # function: legacy tool reply
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's reply names the call it answers
     reasoning: str | None = None  # an earlier reply's thinking, as this server returned it
     reasoning_content: str | None = None
+    function_call: FunctionCall | None = None  # an assistant's earlier call, in the legacy functions shape
     # What the openai client writes back when an earlier response message is appended to the conversation;
     # accepted only while empty, as audio is not supported.
     refusal: None = None
     annotations: Annotated[list[Any], Field(max_length=0)] | None = None
     audio: None = None
-    function_call: None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -180,10 +221,18 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    functions: list[FunctionDefinition] | None = None  # the legacy form of tools
+    function_call: Literal["none", "auto"] | NamedFunction | None = None  # the legacy form of tool_choice
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    modalities: list[Literal["text"]] | None = None  # text is all this server writes
+    reasoning_effort: str | None = None  # handed to the chat template, which models that think read
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
+    add_special_tokens: bool = False  # the template writes its own BOS; True adds the tokenizer's too
+    echo: bool = False  # the reply starts with the last message's content when that is the assistant's
+    include_reasoning: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -215,10 +264,41 @@ def _now() -> int:
     return int(time.time())
 
 
+class OmitsUnset(BaseModel):
+    """A response whose `OPTIONAL` keys appear only when set: OpenAI's optional keys, and vLLM's extras that a
+    request asks for (return_token_ids, prompt_logprobs)."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _only_present(self, handler) -> dict:
+        return {
+            key: value
+            for key, value in handler(self).items()
+            if value is not None or key not in self.OPTIONAL
+        }
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: per prompt position, token id -> this."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionLogprobs(BaseModel):
@@ -228,12 +308,17 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(OmitsUnset):
+    OPTIONAL = ("prompt_logprobs", "prompt_token_ids", "token_ids")
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -259,13 +344,11 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
-class FunctionCallOut(BaseModel):
+class FunctionCallOut(OmitsUnset):
+    OPTIONAL = ("name", "arguments")
+
     name: str | None = None
     arguments: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_present(self, handler) -> dict:
-        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ToolCallOut(BaseModel):
@@ -274,78 +357,88 @@ class ToolCallOut(BaseModel):
     function: FunctionCallOut
 
 
-class AssistantMessage(BaseModel):
-    """`reasoning` (and `reasoning_content`, its older name) and `tool_calls` appear only when there are some."""
+class AssistantMessage(OmitsUnset):
+    """`reasoning` (and `reasoning_content`, its older name) and `tool_calls` appear only when there are some;
+    `function_call` only in answer to the legacy `functions`."""
+
+    OPTIONAL = ("reasoning", "reasoning_content", "tool_calls", "function_call")
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_present(self, handler) -> dict:
-        optional = ("reasoning", "reasoning_content", "tool_calls")
-        return {
-            key: value for key, value in handler(self).items() if value is not None or key not in optional
-        }
+    function_call: FunctionCallOut | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(OmitsUnset):
+    OPTIONAL = ("token_ids",)
+
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(OmitsUnset):
+    OPTIONAL = ("prompt_logprobs", "prompt_token_ids")
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(OmitsUnset):
+    OPTIONAL = ("id", "type")
+
     index: int
     id: str | None = None  # id, type and name in a call's first delta only
     type: Literal["function"] | None = None
     function: FunctionCallOut
 
-    @model_serializer(mode="wrap")
-    def _only_present(self, handler) -> dict:
-        return {key: value for key, value in handler(self).items() if value is not None}
 
+class DeltaMessage(OmitsUnset):
+    OPTIONAL = ("role", "content", "reasoning", "reasoning_content", "tool_calls", "function_call")
 
-class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: FunctionCallOut | None = None
 
-    @model_serializer(mode="wrap")
-    def _only_present(self, handler) -> dict:
-        return {key: value for key, value in handler(self).items() if value is not None}
+    def is_empty(self) -> bool:
+        return not (self.role or self.content or self.reasoning or self.tool_calls or self.function_call)
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(OmitsUnset):
+    OPTIONAL = ("token_ids",)
+
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(OmitsUnset):
+    OPTIONAL = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):

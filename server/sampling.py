@@ -53,6 +53,22 @@ def resolve_max_tokens(
     return requested
 
 
+def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len of them)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise APIError(
+            400,
+            f"truncate_prompt_tokens={keep} is more than this model's maximum context length (max_model_len) of "
+            f"{max_model_len} tokens",
+            "truncate_prompt_tokens",
+        )
+    return ids[-keep:] if keep else []
+
+
 def sampling_params(
     request: SamplingRequest,
     *,
@@ -69,6 +85,8 @@ def sampling_params(
         raise APIError(400, "use_beam_search is supported on /v1/completions only", "use_beam_search")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    if request.stream and request.prompt_logprobs is not None:  # as vLLM: they belong to a whole response
+        raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
     given = {
         "n": request.n,
         "temperature": request.temperature,
@@ -82,6 +100,9 @@ def sampling_params(
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
         "logit_bias": request.logit_bias,
+        "bad_words": request.bad_words,
+        "allowed_token_ids": request.allowed_token_ids,
+        "prompt_logprobs": request.prompt_logprobs,
     }
     try:
         return SamplingParams(

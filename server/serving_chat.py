@@ -3,7 +3,6 @@ reasoning and tool calls read out of its text (chat_message.py)."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
@@ -11,8 +10,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jpaged_server.chat_message import ReplyFormat, StreamingReply, finish_reason
 from jpaged_server.chat_template import chat_prompt_ids
 from jpaged_server.errors import APIError
-from jpaged_server.generation import EngineInput, GenerationStopped, generate_outputs
-from jpaged_server.logprobs import chat_logprobs
+from jpaged_server.generation import EngineInput, GenerationStopped, generate_outputs, response_id
+from jpaged_server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from jpaged_server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -20,9 +19,10 @@ from jpaged_server.protocol import (
     ChatCompletionResponse,
     ChatStreamChoice,
     DeltaMessage,
+    StreamOptions,
 )
 from jpaged_server.reasoning_parsers import REASONING_PARSERS
-from jpaged_server.sampling import check_for_engine, resolve_max_tokens, sampling_params
+from jpaged_server.sampling import check_for_engine, resolve_max_tokens, sampling_params, truncated_prompt
 from jpaged_server.state import ServerState, get_state
 from jpaged_server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
 from jpaged_server.structured_request import check_compiles, requested_spec
@@ -47,6 +47,13 @@ async def chat_engine_input(
     state: ServerState, body: ChatCompletionRequest
 ) -> tuple[EngineInput, ReplyFormat]:
     engine = state.engine.engine
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt "
+            "to false to continue the last message",
+            "continue_final_message",
+        )
     tools = plan_tools(body, auto_tool_parser=state.auto_tool_parser)
     constraint = requested_spec(body)
     if tools.spec is not None:
@@ -55,14 +62,20 @@ async def chat_engine_input(
                 400, f"{constraint[1]} cannot be combined with a forced tool_choice", constraint[1]
             )
         constraint = tools.spec, "tools"
+    template_kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is not None:  # for the templates of models that think (gpt-oss reads it)
+        template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     ids = chat_prompt_ids(
         engine.tokenizer,
         body.messages,
         chat_template=state.chat_template,
         add_generation_prompt=body.add_generation_prompt,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=template_kwargs,
         tools=tools.template_tools,
+        continue_final_message=body.continue_final_message,
+        add_special_tokens=body.add_special_tokens,
     )
+    ids = truncated_prompt(ids, body.truncate_prompt_tokens, state.max_model_len)
     asked, param = body.max_tokens, "max_tokens"
     if body.max_completion_tokens is not None:  # OpenAI's newer name wins
         asked, param = body.max_completion_tokens, "max_completion_tokens"
@@ -78,25 +91,34 @@ async def chat_engine_input(
     )
     check_for_engine(engine, ids, params, "messages")
     reasoning = REASONING_PARSERS[state.reasoning_parser] if state.reasoning_parser else None
-    return EngineInput(ids, params), ReplyFormat(reasoning, tools.format)
+    return EngineInput(ids, params), ReplyFormat(
+        reasoning, tools.format, body.include_reasoning, tools.legacy
+    )
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message's text when that message is the assistant's."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
+    headers = state.check_fields(body)
     engine_input, reply = await chat_engine_input(state, body)
     state.admit()
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = response_id("chatcmpl", body.request_id, request)
     outputs = generate_outputs(
         state, request_id, [engine_input], request, priority=body.priority, cache_salt=body.cache_salt
     )
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        options = body.stream_options or StreamOptions()
         events = end_stream(
-            outputs, _stream(state, request_id, body, engine_input.params.n, reply, outputs, include_usage)
+            outputs, _stream(state, request_id, body, engine_input.params.n, reply, outputs, options)
         )
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    return await _whole(state, request_id, body, reply, outputs)
+        return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return await _whole(state, request_id, body, reply, outputs, headers)
 
 
 async def _whole(
@@ -105,6 +127,7 @@ async def _whole(
     body: ChatCompletionRequest,
     reply: ReplyFormat,
     outputs: AsyncIterator[tuple[int, RequestOutput]],
+    headers: dict[str, str],
 ) -> Response:
     final = None
     try:
@@ -113,9 +136,12 @@ async def _whole(
     except GenerationStopped as stopped:
         raise APIError(503, str(stopped)) from None
     assert final is not None and final.finished
+    echo = _echoed(body)
     choices = []
     for choice in sorted(final.outputs, key=lambda c: c.index):
         message = reply.message(choice.text)
+        if echo:
+            message.content = echo + (message.content or "")
         choices.append(
             ChatChoice(
                 index=choice.index,
@@ -123,14 +149,24 @@ async def _whole(
                 logprobs=chat_logprobs(choice.token_ids, choice.logprobs or [], body.top_logprobs or 0)
                 if body.logprobs
                 else None,
-                finish_reason=finish_reason(choice.finish_reason, bool(message.tool_calls)),
+                finish_reason=finish_reason(
+                    choice.finish_reason,
+                    bool(message.tool_calls or message.function_call),
+                    reply.legacy_functions,
+                ),
                 stop_reason=choice.stop_reason,
+                token_ids=choice.token_ids if body.return_token_ids else None,
             )
         )
     response = ChatCompletionResponse(
-        id=request_id, model=state.model_name, choices=choices, usage=usage_of([final])
+        id=request_id,
+        model=state.model_name,
+        choices=choices,
+        usage=usage_of([final]),
+        prompt_logprobs=vllm_prompt_logprobs(final) if body.prompt_logprobs is not None else None,
+        prompt_token_ids=final.prompt_token_ids if body.return_token_ids else None,
     )
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=headers)
 
 
 async def _stream(
@@ -140,48 +176,49 @@ async def _stream(
     n: int,
     reply: ReplyFormat,
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    include_usage: bool,
+    options: StreamOptions,
 ) -> AsyncIterator[str]:
-    def chunk(choice: ChatStreamChoice) -> str:
-        return sse(ChatCompletionChunk(id=request_id, model=state.model_name, choices=[choice]))
-
     tracker = StreamTracker()
+
+    def chunk(choice: ChatStreamChoice, **extra) -> str:
+        usage = tracker.usage() if options.include_usage and options.continuous_usage_stats else None
+        return sse(
+            ChatCompletionChunk(id=request_id, model=state.model_name, choices=[choice], usage=usage, **extra)
+        )
+
     replies = [StreamingReply(reply) for _ in range(n)]
-    for index in range(n):  # OpenAI opens every choice with the role, before any content
-        yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+    echo = _echoed(body)
+    opened = False
     async for _, output in outputs:
         for delta in tracker.deltas(0, output):
+            if not opened:  # OpenAI opens every choice with the role, before any content
+                opened = True
+                for index in range(n):
+                    ids = output.prompt_token_ids if body.return_token_ids and index == 0 else None
+                    role = DeltaMessage(role="assistant", content=echo)
+                    yield chunk(ChatStreamChoice(index=index, delta=role), prompt_token_ids=ids)
             choice = delta.choice
-            logprobs = None
-            if body.logprobs:
-                logprobs = chat_logprobs(choice.token_ids, choice.logprobs or [], body.top_logprobs or 0)
             streaming = replies[choice.index]
-            delta = streaming.feed(choice.text) if choice.text else DeltaMessage()
-            if choice.finish_reason is not None:
-                delta = _merged(delta, streaming.finish())
+            message = streaming.feed(choice.text, final=choice.finish_reason is not None)
+            logprobs = None
+            if body.logprobs and choice.token_ids:
+                logprobs = chat_logprobs(choice.token_ids, choice.logprobs or [], body.top_logprobs or 0)
+            token_ids = choice.token_ids if body.return_token_ids and choice.token_ids else None
+            if message.is_empty() and logprobs is None and token_ids is None and choice.finish_reason is None:
+                continue  # text a parser holds back (a tag's possible start): no empty delta
             yield chunk(
                 ChatStreamChoice(
                     index=choice.index,
-                    delta=delta,
+                    delta=message,
                     logprobs=logprobs,
-                    finish_reason=finish_reason(choice.finish_reason, streaming.called),
+                    finish_reason=finish_reason(
+                        choice.finish_reason, streaming.called, reply.legacy_functions
+                    ),
                     stop_reason=choice.stop_reason,
+                    token_ids=token_ids,
                 )
             )
-    if include_usage:
-        usage = tracker.usage()
-        yield sse(ChatCompletionChunk(id=request_id, model=state.model_name, choices=[], usage=usage))
-
-
-def _merged(first: DeltaMessage, second: DeltaMessage) -> DeltaMessage:
-    """One delta from two in a row (the last text's and what the parsers held back until the end)."""
-
-    def join(a: str | None, b: str | None) -> str | None:
-        return (a or "") + (b or "") or None
-
-    return DeltaMessage(
-        content=join(first.content, second.content),
-        reasoning=join(first.reasoning, second.reasoning),
-        reasoning_content=join(first.reasoning_content, second.reasoning_content),
-        tool_calls=(first.tool_calls or []) + (second.tool_calls or []) or None,
-    )
+    if options.include_usage:
+        yield sse(
+            ChatCompletionChunk(id=request_id, model=state.model_name, choices=[], usage=tracker.usage())
+        )

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jpaged_server.errors import APIError
-from jpaged_server.generation import EngineInput, GenerationStopped, generate_outputs
-from jpaged_server.logprobs import completion_logprobs, echoed_prompt_logprobs, join_logprobs
-from jpaged_server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from jpaged_server.sampling import check_for_engine, resolve_max_tokens, sampling_params
+from jpaged_server.generation import EngineInput, GenerationStopped, generate_outputs, response_id
+from jpaged_server.logprobs import (
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    join_logprobs,
+    vllm_prompt_logprobs,
+)
+from jpaged_server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, StreamOptions
+from jpaged_server.sampling import check_for_engine, resolve_max_tokens, sampling_params, truncated_prompt
 from jpaged_server.state import ServerState, get_state
 from jpaged_server.streaming import SSE_HEADERS, StreamTracker, end_stream, sse, usage_of
 from jpaged_server.structured_request import check_compiles, requested_spec
@@ -43,10 +47,12 @@ def _engine_inputs(
     for prompt in _prompts(body.prompt):
         if isinstance(prompt, str):
             ids = engine.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
-            texts.append(prompt)
         else:
             ids = list(prompt)
-            texts.append("")  # the echoed text, decoded once the ids are known to be in the vocabulary
+        kept = truncated_prompt(ids, body.truncate_prompt_tokens, state.max_model_len)
+        # The echoed text; decoded once the ids are known to be in the vocabulary, or the prompt as given.
+        texts.append(prompt if isinstance(prompt, str) and len(kept) == len(ids) else "")
+        ids = kept
         max_tokens = resolve_max_tokens(
             body.max_tokens,
             DEFAULT_MAX_TOKENS,
@@ -59,15 +65,48 @@ def _engine_inputs(
             params = _beam_search_params(body, max_tokens, spec)
         else:
             params = sampling_params(
-                body, max_tokens=max_tokens, logprobs=body.logprobs, structured_outputs=spec
+                body, max_tokens=max_tokens, logprobs=_engine_logprobs(body), structured_outputs=spec
             )
+            if best_of(body) is not None:
+                params = dataclasses.replace(params, n=best_of(body))
             if body.echo and body.logprobs is not None:  # the echoed prompt carries its logprobs too
-                params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-        check_for_engine(engine, ids, params, "prompt")
-        if body.echo and not isinstance(prompt, str):
+                params = dataclasses.replace(
+                    params, prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0)
+                )
+        check_for_engine(engine, ids, params, "best_of" if best_of(body) else "prompt")
+        if body.echo and not texts[-1]:
             texts[-1] = engine.tokenizer.decode(ids)
         inputs.append(EngineInput(ids, params))
     return inputs, texts
+
+
+def best_of(body: CompletionRequest) -> int | None:
+    """How many samples to draw when `best_of` asks for more than the `n` returned; None otherwise."""
+    if body.best_of is None:
+        return None
+    n = body.n or 1
+    if body.best_of < n:
+        raise APIError(400, f"best_of must be at least n ({n}), got {body.best_of}", "best_of")
+    if body.best_of == n:
+        return None
+    if body.stream:
+        raise APIError(400, "best_of cannot be streamed: the best are known only at the end", "best_of")
+    if body.use_beam_search:
+        raise APIError(
+            400, "best_of cannot be combined with use_beam_search (n is the beam width)", "best_of"
+        )
+    return body.best_of
+
+
+def _engine_logprobs(body: CompletionRequest) -> int | None:
+    """The logprobs asked for, or the sampled token's own (0) when best_of ranks samples by them."""
+    return body.logprobs if body.logprobs is not None or best_of(body) is None else 0
+
+
+def _best(choices: list, n: int) -> list:
+    """The n choices of highest cumulative logprob, renumbered 0..n-1 in that order."""
+    ranked = sorted(choices, key=lambda c: -c.cumulative_logprob)[:n]
+    return [dataclasses.replace(choice, index=index) for index, choice in enumerate(ranked)]
 
 
 # Sampling fields a beam search would ignore: refused, not silently dropped.
@@ -113,21 +152,22 @@ def _beam_search_params(
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
+    headers = state.check_fields(body)
     spec = None
     if (constraint := requested_spec(body)) is not None:
         spec, param = constraint
         await check_compiles(state, spec, param)
     inputs, prompt_texts = _engine_inputs(state, body, spec)
     state.admit()
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = response_id("cmpl", body.request_id, request)
     outputs = generate_outputs(
         state, request_id, inputs, request, priority=body.priority, cache_salt=body.cache_salt
     )
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = end_stream(outputs, _stream(state, request_id, body, prompt_texts, outputs, include_usage))
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    return await _whole(state, request_id, body, prompt_texts, outputs)
+        options = body.stream_options or StreamOptions()
+        events = end_stream(outputs, _stream(state, request_id, body, prompt_texts, outputs, options))
+        return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return await _whole(state, request_id, body, prompt_texts, outputs, headers)
 
 
 async def _whole(
@@ -136,6 +176,7 @@ async def _whole(
     body: CompletionRequest,
     prompt_texts: list[str],
     outputs: AsyncIterator[tuple[int, RequestOutput]],
+    headers: dict[str, str],
 ) -> Response:
     finals = {}
     try:
@@ -147,7 +188,10 @@ async def _whole(
     n = body.n or 1
     for index in sorted(finals):
         prompt_text = prompt_texts[index] if body.echo else ""
-        for choice in sorted(finals[index].outputs, key=lambda c: c.index):
+        samples = sorted(finals[index].outputs, key=lambda c: c.index)
+        if best_of(body) is not None:
+            samples = _best(samples, n)
+        for choice in samples:
             logprobs = None
             if body.logprobs is not None:
                 logprobs = completion_logprobs(choice.token_ids, choice.logprobs or [], len(prompt_text))
@@ -160,12 +204,17 @@ async def _whole(
                     logprobs=logprobs,
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
+                    prompt_logprobs=vllm_prompt_logprobs(finals[index])
+                    if body.prompt_logprobs is not None
+                    else None,
+                    prompt_token_ids=finals[index].prompt_token_ids if body.return_token_ids else None,
+                    token_ids=choice.token_ids if body.return_token_ids else None,
                 )
             )
     response = CompletionResponse(
         id=request_id, model=state.model_name, choices=choices, usage=usage_of(finals.values())
     )
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=headers)
 
 
 async def _stream(
@@ -174,7 +223,7 @@ async def _stream(
     body: CompletionRequest,
     prompt_texts: list[str],
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    include_usage: bool,
+    options: StreamOptions,
 ) -> AsyncIterator[str]:
     tracker = StreamTracker()
     n = body.n or 1
@@ -200,11 +249,16 @@ async def _stream(
                         logprobs=logprobs,
                         finish_reason=choice.finish_reason,
                         stop_reason=choice.stop_reason,
+                        prompt_token_ids=output.prompt_token_ids
+                        if body.return_token_ids and delta.first
+                        else None,
+                        token_ids=choice.token_ids if body.return_token_ids else None,
                     )
                 ],
+                usage=tracker.usage() if options.include_usage and options.continuous_usage_stats else None,
             )
             yield sse(chunk)
-    if include_usage:
+    if options.include_usage:
         yield sse(
             CompletionResponse(id=request_id, model=state.model_name, choices=[], usage=tracker.usage())
         )

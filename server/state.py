@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from jpaged_server.errors import APIError
 from jpaged_server.metrics import ServerMetrics
+from jpaged_server.request_fields import check_request_fields
+from pydantic import BaseModel
 
 from jpaged.engine.async_engine import AsyncLLMEngine
 
@@ -31,6 +33,11 @@ class ServerState:
     in_flight: int = 0  # generation requests (HTTP) being served
     auto_tool_parser: str | None = None  # --tool-call-parser, when --enable-auto-tool-choice is on
     reasoning_parser: str | None = None  # --reasoning-parser
+    strict_request_fields: bool = False  # --strict-request-fields: unknown request fields are a 400
+
+    def check_fields(self, body: BaseModel) -> dict[str, str]:
+        """request_fields.check_request_fields under this server's --strict-request-fields."""
+        return check_request_fields(body, strict=self.strict_request_fields)
 
     @property
     def max_model_len(self) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from jpaged_server.errors import APIError, error_body
 from jpaged_server.generation import GenerationStopped
-from jpaged_server.protocol import UsageInfo
+from jpaged_server.protocol import PromptTokensDetails, UsageInfo
 from pydantic import BaseModel
 
 from jpaged.outputs import CompletionOutput, RequestOutput
@@ -86,13 +86,24 @@ class StreamTracker:
             yield Delta(choice, num_chars, first)
 
     def usage(self) -> UsageInfo:
-        prompt = sum(len(o.prompt_token_ids) for o in self.first_outputs.values())
         completion = sum(num_tokens for _, num_tokens in self._sent.values())
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return usage_info(self.first_outputs.values(), completion)
 
 
 def usage_of(outputs) -> UsageInfo:
     """Token counts of whole (FINAL_ONLY) outputs."""
+    outputs = list(outputs)
+    return usage_info(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+def usage_info(outputs, completion_tokens: int) -> UsageInfo:
+    """`usage` for the prompts of `outputs` (one per prompt) and the tokens generated for them; the prompt
+    tokens the prefix cache served are its cached_tokens."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )

@@ -56,6 +56,17 @@ class StreamDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
+    def add(self, later: StreamDelta) -> None:
+        """`later` appended, a call's pieces joined: a delta carries one entry a call index, as OpenAI's."""
+        self.content += later.content
+        for call in later.tool_calls:
+            mine = next((c for c in self.tool_calls if c.index == call.index), None)
+            if mine is None:
+                self.tool_calls.append(call)
+            else:
+                mine.arguments += call.arguments
+                mine.id, mine.name = mine.id or call.id, mine.name or call.name
+
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -103,14 +114,20 @@ class ToolFormat:
         content, bodies = self.segments(text, final=True)
         calls = []
         for body in bodies:
-            try:
-                call = json.loads(body.text)
-            except json.JSONDecodeError:
-                return ParsedOutput(text, [])
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            call = _json_object(body.text)
+            if call is None:
                 return ParsedOutput(text, [])
             calls.append(ToolCall(call["name"], dump_arguments(self.arguments_of(call))))
         return ParsedOutput(content.strip() or None, calls)
+
+
+def _json_object(text: str, allow: Allow | None = None) -> dict | None:
+    """`text` as a call object with a string name; None when it is not one. With `allow`, partial JSON is read."""
+    try:
+        call = json.loads(text) if allow is None else partial_json_parser.loads(text, allow)
+    except Exception:  # json's errors, and partial-json-parser's own (and IndexError) on text it cannot read
+        return None
+    return call if isinstance(call, dict) and isinstance(call.get("name"), str) else None
 
 
 class HermesFormat(ToolFormat):
@@ -163,6 +180,15 @@ class RequiredArrayFormat(ToolFormat):
             return (text if final else ""), []
         return "", json_sequence(rest[1:], ",]")
 
+    def parse(self, text: str) -> ParsedOutput:
+        """The calls, the last as far as it came when max_tokens cut the array short (a call whose name was cut
+        is left out): the grammar made the output calls, so it is answered as calls."""
+        _, bodies = self.segments(text, final=True)
+        calls = [_json_object(body.text) or _json_object(body.text, Allow.ALL) for body in bodies]
+        return ParsedOutput(
+            None, [ToolCall(c["name"], dump_arguments(self.arguments_of(c))) for c in calls if c is not None]
+        )
+
 
 TOOL_PARSERS: dict[str, type[ToolFormat]] = {"hermes": HermesFormat, "llama3_json": Llama3JsonFormat}
 
@@ -206,29 +232,22 @@ class StreamingToolParser:
                 out.tool_calls.append(ToolCallDelta(index, "", self._calls[index][0], name))
             call_id, sent = self._calls[index]
             if arguments.startswith(sent) and len(arguments) > len(sent):
-                out.tool_calls.append(ToolCallDelta(index, arguments[len(sent) :]))
+                out.add(StreamDelta(tool_calls=[ToolCallDelta(index, arguments[len(sent) :])]))
                 self._calls[index] = (call_id, arguments)
         return out
 
     def _read(self, body: Body, final: bool) -> tuple[str | None, str]:
         """A call's name (once whole) and the part of its arguments' JSON that can no longer change."""
         if body.complete or final:
-            try:
-                call = json.loads(body.text)
-            except json.JSONDecodeError:
-                return None, ""
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return None, ""
-            return call["name"], dump_arguments(self.format.arguments_of(call))
-        try:
-            named = partial_json_parser.loads(body.text, _COMPLETE_STRINGS_ONLY)
-            partial = partial_json_parser.loads(body.text, _PARTIAL_ARGUMENTS)
-        except Exception:  # the parser raises its own errors (and IndexError) on text it cannot read yet
+            call = _json_object(body.text)
+            return (
+                (None, "") if call is None else (call["name"], dump_arguments(self.format.arguments_of(call)))
+            )
+        named = _json_object(body.text, _COMPLETE_STRINGS_ONLY)
+        if named is None:
             return None, ""
-        if not isinstance(named, dict) or not isinstance(named.get("name"), str):
-            return None, ""
-        keys = self.format.arguments_keys
-        if not isinstance(partial, dict) or not any(key in partial for key in keys):
+        partial = _json_object(body.text, _PARTIAL_ARGUMENTS) or {}
+        if not any(key in partial for key in self.format.arguments_keys):
             return named["name"], ""
         # Completing partial JSON closes its strings, arrays and objects: what may still change is at the end.
         return named["name"], dump_arguments(self.format.arguments_of(partial)).rstrip('"]}')

@@ -143,7 +143,11 @@ def test_streamed_choices_join_to_the_whole_response_with_the_same_offsets_and_u
         assert [t for c in mine for t in c.logprobs.tokens] == choice.logprobs.tokens
         assert [o for c in mine for o in c.logprobs.text_offset] == choice.logprobs.text_offset
         assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    streamed = chunks[-1].usage
+    assert (streamed.prompt_tokens, streamed.completion_tokens) == (whole.usage.prompt_tokens, 6)
+    # The second request found the first one's full prompt blocks in the prefix cache.
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < streamed.prompt_tokens_details.cached_tokens < streamed.prompt_tokens
 
 
 def test_chat_whole_and_streamed_agree(client):
@@ -163,7 +167,11 @@ def test_chat_whole_and_streamed_agree(client):
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    streamed = chunks[-1].usage
+    assert (streamed.prompt_tokens, streamed.completion_tokens) == (whole.usage.prompt_tokens, 6)
+    # The second request found the first one's full prompt blocks in the prefix cache.
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < streamed.prompt_tokens_details.cached_tokens < streamed.prompt_tokens
 
 
 def test_chat_top_logprobs_are_sorted_and_include_the_greedy_token(client):

@@ -37,7 +37,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 
 COMPLETION_CASES = {
-    "unknown_field": ({"prompt": "x", "frobnicate": 1}, "frobnicate", "frobnicate"),
     "unsupported_openai_field": ({"prompt": "x", "suffix": "y"}, "suffix", "suffix"),
     "top_p_out_of_range": ({"prompt": "x", "top_p": 5}, "top_p", "top_p"),
     "negative_temperature": ({"prompt": "x", "temperature": -1}, "temperature", "temperature"),
@@ -84,7 +83,11 @@ CHAT_CASES = {
         "messages.0.content",
         "content",
     ),
-    "legacy_functions": ({"messages": HI, "functions": []}, "functions", "functions"),  # tools replaced it
+    "tools_and_legacy_functions": (
+        {"messages": HI, "tools": [], "functions": [{"name": "f"}]},
+        "functions",
+        "not both",
+    ),
     "more_samples_than_max_num_seqs": ({"messages": HI, "n": 9}, "n", "max_num_seqs"),
     "beam_search": ({"messages": HI, "use_beam_search": True}, "use_beam_search", "/v1/completions"),
     "top_logprobs_without_logprobs": ({"messages": HI, "top_logprobs": 2}, "top_logprobs", "logprobs"),

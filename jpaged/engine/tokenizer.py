@@ -21,9 +21,11 @@ def apply_chat_template(
     *,
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    add_special_tokens: bool = False,
     **template_kwargs,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the model's (or the given) chat template."""
+    """Token ids of `messages` rendered with the model's (or the given) chat template; the template writes its
+    own special tokens, so the tokenizer adds none unless `add_special_tokens` (vLLM's chat default too)."""
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("the model has no chat template; pass chat_template")
     text = tokenizer.apply_chat_template(
@@ -33,7 +35,7 @@ def apply_chat_template(
         chat_template=chat_template,
         **template_kwargs,
     )
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def tokenize_bad_words(bad_words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
