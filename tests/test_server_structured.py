@@ -165,6 +165,20 @@ def test_a_reply_splits_into_reasoning_content_and_tool_calls_whole_and_streamed
         assert pieces[0]["id"].startswith("call_") and pieces[0]["function"]["name"] == "get_weather"
         assert "".join(p["function"].get("arguments", "") for p in pieces) == call["function"]["arguments"]
         assert streaming.called
+        for delta in dumped:  # one entry a call index in any delta, as OpenAI streams them
+            indices = [c["index"] for c in delta.get("tool_calls", [])]
+            assert len(indices) == len(set(indices))
+
+
+def test_include_reasoning_false_drops_the_reasoning_whole_and_streamed():
+    fmt = ReplyFormat(REASONING_PARSERS["qwen3"], HermesFormat(), include_reasoning=False)
+    whole = fmt.message(REPLY).model_dump()
+    assert "reasoning" not in whole and whole["content"] == "Checking." and whole["tool_calls"]
+    streaming = StreamingReply(fmt)
+    dumped = [streaming.feed(REPLY[i : i + 5]).model_dump() for i in range(0, len(REPLY), 5)]
+    dumped.append(streaming.finish().model_dump())
+    assert not any("reasoning" in d for d in dumped)
+    assert "".join(d.get("content", "") for d in dumped).strip() == "Checking."
 
 
 def test_serve_flags_turn_on_auto_tool_choice_only_with_a_parser():

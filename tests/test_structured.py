@@ -21,6 +21,7 @@ from jpaged.structured import (
     fill_bitmasks,
     num_words,
 )
+from jpaged.structured.grammar_specs import declared_properties_only
 
 EXTRA_IDS = 40  # the model's vocabulary is wider than the tokenizer's, as in many checkpoints
 
@@ -256,3 +257,27 @@ def test_sampling_params_carry_structured_outputs_through_clone():
     assert params.clone().structured_outputs == spec
     with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json": {}})
+
+
+def test_object_schemas_allow_only_their_declared_properties_unless_they_say_otherwise():
+    item = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "items": {"type": "array", "items": item},
+            "open": {**item, "additionalProperties": True},
+        },
+        "$defs": {"d": item},
+        "anyOf": [item],
+    }
+    closed = declared_properties_only(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["items"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["open"]["additionalProperties"] is True
+    assert (
+        closed["$defs"]["d"]["additionalProperties"] is False
+        and closed["anyOf"][0]["additionalProperties"] is False
+    )
+    assert "additionalProperties" not in schema and "additionalProperties" not in declared_properties_only(
+        {"type": "object"}
+    )
