@@ -77,14 +77,14 @@ def result_of(status: int, text: str) -> dict:
 
 
 def stream_end(response: httpx.Response) -> dict:
-    """How a 200 stream ended: "[DONE]" (or a Responses API terminal event), and the first in-band error."""
+    """How a 200 stream ended: "[DONE]", or the Responses API's terminal event, and its first in-band error."""
     end, error = "closed without [DONE]", None
     for line in response.iter_lines():
         if not line.startswith("data:"):
             continue
         data = line[len("data:") :].strip()
-        if data == "[DONE]":
-            end = "[DONE]"
+        if data == "[DONE]":  # after a Responses API terminal event, a [DONE] changes nothing for its clients
+            end = end if end.startswith("response.") else "[DONE]"
             continue
         event = json.loads(data)
         if isinstance(event, dict) and event.get("type") in ("response.completed", "response.incomplete"):

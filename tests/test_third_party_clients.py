@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -22,6 +23,7 @@ from jpaged_server.api_server import build_app
 from pydantic import BaseModel
 from server_harness import serve_in_thread
 
+TABLE = Path(__file__).parent / "data" / "vllm_request_statuses.json"
 MODEL = "tiny"
 MAX_TOKENS = 64  # every constrained reply below fits: enums, booleans, no free strings or numbers
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -245,10 +247,8 @@ def test_agents_sdk_runs_an_agent_with_a_function_tool_over_the_responses_api(ba
 # --- guidellm's and `vllm bench serve`'s request shapes ---
 
 
-def table_body(name: str) -> dict:
-    from test_server_vllm_statuses import ENTRIES
-
-    (entry,) = [entry for entry in ENTRIES if entry["name"] == name]
+def table_body(name: str) -> tuple[dict, str]:
+    (entry,) = [entry for entry in json.loads(TABLE.read_text())["entries"] if entry["name"] == name]
     return {**entry["body"], "model": MODEL}, entry["path"]
 
 
