@@ -13,6 +13,10 @@ PLATFORM_DEFAULTS = {"cpu": (64, 512), "gpu": (256, 8192), "tpu": (256, 8192)}
 ASYNC_SCHEDULING_DEFAULTS = {"cpu": True, "gpu": True, "tpu": True}
 # The attention implementations jpaged.pallas dispatches to; auto picks by platform.
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
+# vLLM's --runner and --convert: a decoder model runs as a pooling (embedding) model with runner="pooling",
+# convert="embed"; "auto" runner means pooling when convert asks for it, generate otherwise.
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
 
 
 @dataclasses.dataclass
@@ -40,6 +44,8 @@ class EngineConfig:
     # default (ASYNC_SCHEDULING_DEFAULTS).
     async_scheduling: bool | None = None
     compilation_cache_dir: str | None = None  # compiled steps kept here; default ~/.cache/jpaged/xla
+    runner: str = "auto"  # "generate", or "pooling" (embeddings; see RUNNERS)
+    convert: str = "auto"  # "embed": the decoder's hidden states pooled as embeddings (see CONVERTS)
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "tensor_parallel_size")
@@ -67,6 +73,19 @@ class EngineConfig:
         _one_of(self, "preemption_mode", PREEMPTION_MODES)
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "attention_impl", ATTENTION_IMPLS)
+        _one_of(self, "runner", RUNNERS)
+        _one_of(self, "convert", CONVERTS)
+        if self.runner == "generate" and self.convert == "embed":
+            raise ValueError("convert 'embed' makes a pooling model: it needs runner 'pooling' (or 'auto')")
+        if self.runner == "pooling" and self.convert == "none":
+            raise ValueError(
+                "runner 'pooling' needs convert 'embed' (or 'auto'): a decoder model pools only when converted"
+            )
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether the engine serves embeddings (pooling requests) rather than generation."""
+        return self.runner == "pooling" or self.convert == "embed"
 
     def for_platform(self, platform: str) -> EngineConfig:
         """This config with what it leaves None filled in for `platform` (PLATFORM_DEFAULTS,

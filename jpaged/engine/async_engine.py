@@ -15,7 +15,9 @@ from collections.abc import AsyncIterator, Sequence
 
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.pooling_engine import engine_for
 from jpaged.outputs import RequestOutput
+from jpaged.pooling_params import EmbeddingRequestOutput, PoolingParams
 from jpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
-        return cls(LLMEngine(config))
+        return cls(engine_for(config))
 
     @property
     def failure(self) -> str | None:
@@ -65,7 +67,7 @@ class AsyncLLMEngine:
     async def generate(
         self,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str,
         *,
         priority: int = 0,
@@ -107,6 +109,15 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def encode(
+        self, prompt: str | Sequence[int], params: PoolingParams, request_id: str
+    ) -> EmbeddingRequestOutput:
+        """One pooling request's output (a pooling engine's: see PoolingEngine); ValueError before anything is
+        queued for bad input."""
+        async for output in self.generate(prompt, params, request_id):
+            return output
+        raise EngineDeadError(f"request {request_id} ended without an output")
 
     def abort(self, request_id: str) -> None:
         """Abort before the next step; the stream, if still read, gets a last output with finish_reason 'abort'."""

@@ -41,6 +41,9 @@ from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, Sampling
 if TYPE_CHECKING:
     from flax import nnx
 
+    from jpaged.engine.startup import KVCacheSize
+    from jpaged.runner.model_runner import ModelRunner
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -68,15 +71,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.blocks)
         self.checks = RequestChecks(config, self.max_model_len, mc.vocab_size)
-        self.runner = start_runner(
-            config,
-            mc,
-            self.model.params,
-            from_memory=source.kind == "params",
-            num_blocks=size.num_blocks,
-            max_model_len=self.max_model_len,
-            num_swap_blocks=size.num_swap_blocks,
-        )
+        self.runner = self._start_runner(size, from_memory=source.kind == "params")
         # The runner holds the weights from here on; the engine keeps their shapes (what update_weights checks).
         self.model = dataclasses.replace(self.model, params=weights_spec(self.model.params))
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
@@ -102,6 +97,18 @@ class LLMEngine:
         self._held: list[RequestOutput] = []  # outputs processed outside step(), returned by the next one
         self._prefix_hint = PrefixHint(config.block_size) if config.enable_prefix_caching else None
         self.warmup_seconds = 0.0 if config.enforce_eager else self.runner.warmup()
+
+    def _start_runner(self, size: KVCacheSize, *, from_memory: bool) -> ModelRunner:
+        """The runner for this engine's steps (a pooling engine starts its own kind)."""
+        return start_runner(
+            self.config,
+            self.model_config,
+            self.model.params,
+            from_memory=from_memory,
+            num_blocks=size.num_blocks,
+            max_model_len=self.max_model_len,
+            num_swap_blocks=size.num_swap_blocks,
+        )
 
     # ---- requests ----
 

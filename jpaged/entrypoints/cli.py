@@ -21,6 +21,9 @@ _HELP = {
     "kv_cache_memory": "KV cache size in bytes on CPU",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
     "num_blocks": "number of KV blocks (overrides memory-based sizing)",
+    "runner": "generate, or pooling: serve embeddings (/v1/embeddings, LLM.embed) instead of generation",
+    "convert": "embed: run a decoder as an embedding model, pooled as its sentence-transformers config says "
+    "(else last token, normalised)",
 }
 
 

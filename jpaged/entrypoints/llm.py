@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
-from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.pooling_engine import engine_for
 from jpaged.engine.tokenizer import apply_chat_template
 from jpaged.entrypoints.arrays import GeneratedArrays, pack_outputs, prompt_rows
 from jpaged.entrypoints.prompts import EnginePrompt, PromptType, as_prompt_list
@@ -17,6 +18,7 @@ from jpaged.models.config import ModelConfig
 from jpaged.models.llama import CausalLM, as_params
 from jpaged.models.loader import LoadedModel, ModelSource
 from jpaged.outputs import RequestOutput
+from jpaged.pooling_params import EmbeddingRequestOutput, PoolingParams
 from jpaged.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,
@@ -31,7 +33,7 @@ class LLM:
     def __init__(
         self, model: str | None = None, *, _loaded: LoadedModel | None = None, **engine_args
     ) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), model=_loaded)
+        self.engine = engine_for(EngineConfig(model=model, **engine_args), model=_loaded)
         self._ids = itertools.count()
 
     @classmethod
@@ -158,17 +160,44 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (`output.outputs.embedding`, a list of floats), from an engine made
+        with runner="pooling", convert="embed"; prompts in generate's forms. Pooled as the model's
+        sentence-transformers config says (else its last token, normalised: vLLM's default)."""
+        if not self.engine.config.is_pooling:
+            raise ValueError(
+                "LLM.embed needs a pooling model: LLM(model, runner='pooling', convert='embed') "
+                "(`jpaged serve MODEL --runner pooling --convert embed`)"
+            )
+        prompts = as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"pooling_params has {len(params)} entries for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        return self._add_and_run(prompts, params, use_tqdm)
+
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()
 
     def _add_and_run(
         self,
         prompts: list[EnginePrompt],
-        params: list[SamplingParams] | list[BeamSearchParams],
+        params: list[SamplingParams] | list[BeamSearchParams] | list[PoolingParams],
         use_tqdm: bool,
-    ) -> list[RequestOutput]:
+    ) -> list[RequestOutput] | list[EmbeddingRequestOutput]:
         for p in params:  # offline, a grammar that does not compile is the caller's ValueError, up front
-            if p.structured_outputs is not None:
+            if getattr(p, "structured_outputs", None) is not None:
                 self.engine.constrained.compile(p.structured_outputs)
         ids = []
         try:

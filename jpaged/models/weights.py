@@ -49,8 +49,10 @@ def read_hf_config(model_dir: Path) -> ModelConfig:
 
 
 def _safetensors_files(model_dir: Path) -> Callable[[str], Any]:
-    """name -> the open (memory-mapped) safetensors file holding it, over every `*.safetensors` shard of a
-    directory (sharded index or not)."""
+    """name -> (the open (memory-mapped) safetensors file holding it, its name there), over every
+    `*.safetensors` shard of a directory (sharded index or not). A base model's checkpoint (transformers'
+    AutoModel, as sentence-transformers saves embedding models) names its tensors without the "model." prefix:
+    they answer to the prefixed names too."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -58,7 +60,10 @@ def _safetensors_files(model_dir: Path) -> Callable[[str], Any]:
         raise ValueError(f"no *.safetensors weights in {model_dir}")
     where = {}
     for handle in (safe_open(str(f), framework="numpy") for f in files):
-        where.update(dict.fromkeys(handle.keys(), handle))
+        for key in handle.keys():  # noqa: SIM118 (a safetensors file, not a dict)
+            where[key] = (handle, key)
+            if key.startswith(("embed_tokens.", "layers.", "norm.")):
+                where.setdefault("model." + key, (handle, key))
 
     def file_of(name: str):
         if name not in where:
@@ -71,13 +76,23 @@ def _safetensors_files(model_dir: Path) -> Callable[[str], Any]:
 def safetensors_reader(model_dir: Path) -> GetTensor:
     """name -> the whole array."""
     file_of = _safetensors_files(model_dir)
-    return lambda name: file_of(name).get_tensor(name)
+
+    def get(name: str) -> np.ndarray:
+        handle, stored = file_of(name)
+        return handle.get_tensor(stored)
+
+    return get
 
 
 def safetensors_slicer(model_dir: Path) -> Callable[[str], Any]:
     """name -> the tensor's slice handle: indexing it reads just that part."""
     file_of = _safetensors_files(model_dir)
-    return lambda name: file_of(name).get_slice(name)
+
+    def get(name: str):
+        handle, stored = file_of(name)
+        return handle.get_slice(stored)
+
+    return get
 
 
 def gguf_reader(path: Path, config: ModelConfig) -> GetTensor:

@@ -15,6 +15,7 @@ import functools
 import itertools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -112,12 +113,16 @@ def start_runner(
     num_blocks: int,
     max_model_len: int,
     num_swap_blocks: int,
+    runner_class: Callable[..., ModelRunner] = ModelRunner,
 ) -> ModelRunner | LeaderRunner:
     """The engine's runner: this process's alone, or with more processes, process 0's, once every follower has
-    been told what to build (they load their weights while this one places its own)."""
+    been told what to build (they load their weights while this one places its own). A runner of another kind
+    (`runner_class`: the pooling runner) runs in one process: the followers build ModelRunners."""
     runner_args = (num_blocks, max_model_len, num_swap_blocks)
     if jax.process_count() == 1:
-        return ModelRunner(config, model_config, params, *runner_args)
+        return runner_class(config, model_config, params, *runner_args)
+    if runner_class is not ModelRunner:
+        raise ValueError(f"a pooling engine runs in one process, not {jax.process_count()}")
     if jax.process_index() != 0:
         raise ValueError(
             f"this is process {jax.process_index()} of {jax.process_count()}: only process 0 runs the engine; "

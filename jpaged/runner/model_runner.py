@@ -25,7 +25,13 @@ from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import huge_pages
 from jpaged.rounding import cdiv
-from jpaged.runner.device_step import bind_prompt_logprobs, bind_step, copy_blocks, scatter_blocks
+from jpaged.runner.device_step import (
+    StepFunctions,
+    bind_prompt_logprobs,
+    bind_step,
+    copy_blocks,
+    scatter_blocks,
+)
 from jpaged.runner.kv_transfer import HostSwapSpace
 from jpaged.runner.packed_inputs import pack
 from jpaged.runner.sampling_inputs import (
@@ -128,13 +134,7 @@ class ModelRunner:
         if self.mesh:
             attention = shard_attention(attention, self.mesh)
         self._logits_sharding = logits_sharding(self.mesh, model_config.vocab_size) if self.mesh else None
-        step = bind_step(
-            self.graphdef,
-            attention,
-            products,
-            branch_free=self.branch_free,
-            logits_sharding=self._logits_sharding,
-        )
+        step = self.bind_step(attention)
         inputs = ProgramInputs.of(
             self.params,
             self.kv_cache,
@@ -150,7 +150,7 @@ class ModelRunner:
             jax.jit(bind_prompt_logprobs(self.graphdef, products)),
             inputs,
             config.compilation_cache_dir,
-            (repr(model_config), self.attention_impl, self.branch_free),
+            (repr(model_config), self.attention_impl, self.branch_free, *self.program_kind),
         )
         self._not_run: dict = {}  # warm-up shapes never run yet -> their dummy (batch, sampling); see warmup
         # The dispatched forward's (logits, prompt logprobs), until `sample` takes them.
@@ -158,6 +158,21 @@ class ModelRunner:
         self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=0)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
         self._copy_programs: dict = {}  # rows -> compiled copy_blocks
+
+    # What the step programs compute beyond the model (the pooling runner's forward pools): part of their key
+    # in the executable cache, so programs of different kinds over one model never stand in for each other.
+    program_kind: tuple[str, ...] = ()
+
+    def bind_step(self, attention: Callable) -> StepFunctions:
+        """The step's two halves for this model (device_step.py); a runner of another kind (pooling) binds its
+        own forward."""
+        return bind_step(
+            self.graphdef,
+            attention,
+            self.products,
+            branch_free=self.branch_free,
+            logits_sharding=self._logits_sharding,
+        )
 
     # ---- a step ----
 
