@@ -36,17 +36,14 @@ class RequestModel(BaseModel):
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         """`"stream": null` is OpenAI's "not given" (vllm bench serve sends `logprobs: null`): a field with a
-        default takes it. A required field stays required."""
+        default takes it, and an undeclared one is not there at all. A required field stays required."""
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
         return {
             key: value
             for key, value in data.items()
-            if value is not None
-            or key not in fields
-            or fields[key].is_required()
-            or fields[key].default is None
+            if value is not None or (key in fields and fields[key].is_required())
         }
 
     @field_validator("*")
