@@ -5,7 +5,10 @@ Starts `vllm serve` on a free 127.0.0.1 port (or talks to a running server, --ur
 and prints a short table and the command that reproduces it. tests/test_server_vllm_statuses.py holds jpaged to the
 same status class for every entry.
 
-    flock /tmp/jpaged-cpu.lock python scripts/vllm_request_statuses.py
+    flock /tmp/jpaged-cpu.lock python scripts/vllm_request_statuses.py --capture-clients
+
+--capture-clients first replaces the table's client_* entries with the exact bodies the pinned clients send this
+server (scripts/client_requests.py).
 
 vLLM is the CPU build that ../shared/bench/setup_peers.sh installs into $PEERS/vllm-venv, serving $PEERS/smollm2-hf
 (SmolLM2-135M-Instruct in float32) with compare.sh's settings (tcmalloc, both cores' threads bound), under the name
@@ -172,6 +175,11 @@ def main() -> None:
     ap.add_argument("--table", type=Path, default=TABLE)
     ap.add_argument("--log", type=Path, default=Path("/tmp/vllm_request_statuses.log"))
     ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument(
+        "--capture-clients",
+        action="store_true",
+        help="first replace the table's client_* entries with the bodies the pinned clients send (client_requests.py)",
+    )
     args = ap.parse_args()
 
     table = json.loads(args.table.read_text())
@@ -187,6 +195,11 @@ def main() -> None:
     try:
         wait_healthy(url, process, args.start_timeout)
         version = httpx.get(f"{url}/version", timeout=10).json().get("version")
+        if args.capture_clients:
+            from client_requests import capture
+
+            kept = [entry for entry in table["entries"] if not entry["name"].startswith("client_")]
+            table["entries"] = kept + capture(url)
         results = measure(url, table["entries"])
     finally:
         if process is not None:
@@ -225,7 +238,7 @@ def main() -> None:
         f"{len(table['entries'])} bodies, vLLM {version}: "
         + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
     )
-    print("reproduce: flock /tmp/jpaged-cpu.lock python scripts/vllm_request_statuses.py")
+    print("reproduce: flock /tmp/jpaged-cpu.lock python scripts/vllm_request_statuses.py --capture-clients")
 
 
 if __name__ == "__main__":
