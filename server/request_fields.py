@@ -45,6 +45,9 @@ WITHOUT_EFFECT: dict[str, str] = {
     "mm_processor_kwargs": "multimodal processing: text models only",
 }
 
+MAX_LOGGED_NAMES = 1024  # a client inventing names cannot grow the set of names logged without bound
+MAX_NAMES_IN_HEADER = 32
+
 _logged: set[str] = set()
 
 
@@ -78,7 +81,18 @@ def check_request_fields(body: BaseModel, *, strict: bool) -> dict[str, str]:
             unknown[0],
         )
     for name in unknown:
-        if name not in _logged:
+        if name not in _logged and len(_logged) < MAX_LOGGED_NAMES:
             _logged.add(name)
             logger.warning("ignoring the unknown request field %r (logged once per name)", name)
-    return {IGNORED_FIELDS_HEADER: ", ".join(extras)} if extras else {}
+    return {IGNORED_FIELDS_HEADER: _header_value(extras)} if extras else {}
+
+
+def _header_value(names: list[str]) -> str:
+    """The names as one header value: escaped to printable ASCII (a name may hold any character JSON allows),
+    at most MAX_NAMES_IN_HEADER of them."""
+    shown = [
+        name.encode("unicode_escape").decode("ascii").replace(",", "\\x2c")
+        for name in names[:MAX_NAMES_IN_HEADER]
+    ]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f", ... ({more} more)" if more else "")

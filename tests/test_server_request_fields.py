@@ -101,6 +101,14 @@ def test_nested_unknown_fields_are_named_by_their_path(http):
     assert response.headers[IGNORED_FIELDS_HEADER] == "stream_options.extra, messages[].weight"
 
 
+def test_any_field_name_is_named_in_printable_ascii_and_the_list_is_bounded(http):
+    body = {"prompt": "x", "max_tokens": 1, "Ā\r\n": 1, **{f"f{i}": i for i in range(40)}}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    names = response.headers[IGNORED_FIELDS_HEADER].split(", ")
+    assert names[0] == "\\u0100\\r\\n" and names[-1] == "... (9 more)" and len(names) == 33
+
+
 @pytest.mark.parametrize("field", ["suffix", "audio", "chat_template"])
 def test_a_field_that_would_change_the_output_and_is_not_served_is_400(http, field):
     path, body = (

@@ -68,7 +68,16 @@ def test_stream_is_data_events_then_done_with_usage_only_when_asked(server, incl
     assert with_choices[-1]["choices"][0]["finish_reason"] == "length"
     usage = [c["usage"] for c in chunks if c.get("usage")]
     assert usage == (
-        [{"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}] if include_usage else []
+        [
+            {
+                "prompt_tokens": 1,
+                "completion_tokens": 4,
+                "total_tokens": 5,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
+        ]
+        if include_usage
+        else []
     )
 
 
