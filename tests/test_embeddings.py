@@ -183,3 +183,44 @@ def test_a_warmed_pooling_engine_compiles_nothing(model_dir):
     llm.embed("y", use_tqdm=False)
     assert llm.metrics()["num_compilations"] == compiled
     assert_no_blocks_held(llm)
+
+
+def test_a_prompt_recomputed_from_its_first_token_pools_afresh():
+    """Recompute preemption restarts a prompt from token 0: its chunks' sums start again, not on top."""
+    from jpaged.core.pooling import PooledPrompt
+
+    rng = np.random.default_rng(0)
+    tokens = rng.standard_normal((10, 4))
+    pooled = PooledPrompt("mean", 10)
+    pooled.add_chunk(0, 6, tokens[:6].sum(0))
+    pooled.add_chunk(0, 4, tokens[:4].sum(0))  # preempted, then run again in other chunks
+    pooled.add_chunk(4, 6, tokens[4:].sum(0))
+    np.testing.assert_allclose(pooled.vector(normalize=False), tokens.mean(0), atol=1e-6)
+    with pytest.raises(ValueError, match="must follow each other"):
+        pooled.add_chunk(3, 1, tokens[3])
+
+
+def test_runner_and_convert_are_checked_together():
+    from jpaged.config import EngineConfig
+
+    assert EngineConfig(convert="embed").is_pooling and EngineConfig(runner="pooling").is_pooling
+    assert not EngineConfig().is_pooling
+    with pytest.raises(ValueError, match="convert 'embed' makes a pooling model"):
+        EngineConfig(runner="generate", convert="embed")
+    with pytest.raises(ValueError, match="runner must be one of"):
+        EngineConfig(runner="draft")
+
+
+def test_a_sentence_transformers_pooling_we_lack_is_refused_by_name(tmp_path):
+    from jpaged.models.sentence_transformers_config import pooler_config_for
+
+    (tmp_path / "modules.json").write_text(
+        '[{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]'
+    )
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_max_tokens": true}')
+    with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
+        pooler_config_for(tmp_path)
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')
+    assert pooler_config_for(tmp_path).pooling_type == "cls"
+    assert not pooler_config_for(tmp_path).normalize  # no Normalize module
