@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from jpaged_server.body_limit import BodySizeLimitMiddleware
 from jpaged_server.chat_template import chat_prompt_ids, load_chat_template
 from jpaged_server.cli import DEFAULT_MAX_REQUEST_BODY_BYTES, auto_tool_parser
@@ -23,6 +23,7 @@ from jpaged_server.protocol import (
 )
 from jpaged_server.serving_chat import create_chat_completion
 from jpaged_server.serving_completions import create_completion
+from jpaged_server.serving_embeddings import add_pooling_routes
 from jpaged_server.startup import EngineLoader, StartupApp
 from jpaged_server.state import ServerState, get_state
 from starlette.datastructures import Headers
@@ -68,6 +69,7 @@ def build_app(
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, state=app.state.server)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before auth
+    add_pooling_routes(app, engine)  # first: on a pooling engine its refusals answer the generation paths
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
     _add_info_routes(app)
@@ -132,31 +134,42 @@ def _add_info_routes(app: FastAPI) -> None:
         return ModelList(data=[card])
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         state = get_state(request)
         state.check_model(body.model)
+        headers = state.check_fields(body)
         tokenizer = state.engine.engine.tokenizer
         if isinstance(body, TokenizeChatRequest):
+            if body.continue_final_message and body.add_generation_prompt:
+                raise APIError(
+                    400,
+                    "continue_final_message and add_generation_prompt cannot both be true",
+                    "continue_final_message",
+                )
             tokens = chat_prompt_ids(
                 tokenizer,
                 body.messages,
                 chat_template=state.chat_template,
                 add_generation_prompt=body.add_generation_prompt,
                 template_kwargs=body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=body.add_special_tokens,
             )
         else:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+        answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+        return JSONResponse(answer, headers=headers)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
         state = get_state(request)
         state.check_model(body.model)
+        headers = state.check_fields(body)
         vocab_size = state.engine.engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
             raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab_size})", "tokens")
-        return {"prompt": state.engine.engine.tokenizer.decode(body.tokens)}
+        return JSONResponse({"prompt": state.engine.engine.tokenizer.decode(body.tokens)}, headers=headers)
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -243,6 +243,8 @@ class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -223,6 +223,11 @@ def test_continue_final_message_continues_the_assistant_s_text(http, default_tok
     expected = default_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
     assert whole["prompt_token_ids"] == default_tokenizer.encode(expected, add_special_tokens=False)
     assert default_tokenizer.decode(whole["prompt_token_ids"]).endswith("The answer is")
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    assert (
+        http.post("/tokenize", json={"messages": messages, **flags}).json()["tokens"]
+        == whole["prompt_token_ids"]
+    )
     both = http.post("/v1/chat/completions", json={"messages": messages, "continue_final_message": True})
     assert_400(both, "continue_final_message")
 
