@@ -21,8 +21,8 @@ from jpaged_server.embeddings_protocol import (
 from jpaged_server.errors import APIError
 from jpaged_server.state import ServerState, get_state
 
-from jpaged.engine.async_engine import AsyncLLMEngine
-from jpaged.pooling_params import PoolingParams
+from jpaged.engine.async_engine import AsyncLLMEngine, EngineDeadError, StepFailedError
+from jpaged.pooling_params import EmbeddingRequestOutput, PoolingParams
 
 GENERATION_APIS = {
     "/v1/completions": "Completions",
@@ -66,9 +66,11 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Embeddin
     params = _pooling_params(body)
     prompts = _checked_prompts(state, body, params)
     request_id = f"embd-{uuid.uuid4().hex}"
-    outputs = await asyncio.gather(
-        *(state.engine.encode(ids, params, f"{request_id}-{i}") for i, ids in enumerate(prompts))
-    )
+    state.in_flight += 1  # a drain waits for it (lifecycle.py)
+    try:
+        outputs = await _encode_all(state, prompts, params, request_id)
+    finally:
+        state.in_flight -= 1
     data = [
         EmbeddingData(index=i, embedding=_encoded(output.outputs.embedding, body.encoding_format))
         for i, output in enumerate(outputs)
@@ -80,6 +82,31 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Embeddin
         data=data,
         usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
     )
+
+
+async def _encode_all(
+    state: ServerState, prompts: list[list[int]], params: PoolingParams, request_id: str
+) -> list[EmbeddingRequestOutput]:
+    """Every prompt's output, in order; the rest aborted (cancelled) when one fails or the drain's grace period
+    ends."""
+    tasks = [
+        asyncio.ensure_future(state.engine.encode(ids, params, f"{request_id}-{i}"))
+        for i, ids in enumerate(prompts)
+    ]
+    gathered = asyncio.gather(*tasks)
+    shutdown = asyncio.ensure_future(state.shutdown.wait())
+    try:
+        done, _ = await asyncio.wait((gathered, shutdown), return_when=asyncio.FIRST_COMPLETED)
+        if gathered not in done:
+            raise APIError(503, "the server is shutting down; retry on another replica")
+        return gathered.result()
+    except EngineDeadError as err:
+        raise APIError(503, f"the engine is not running: {err}") from err
+    except StepFailedError as err:
+        raise APIError(500, str(err)) from err
+    finally:
+        for task in (*tasks, shutdown):
+            task.cancel()
 
 
 def _pooling_params(body: EmbeddingRequest) -> PoolingParams:

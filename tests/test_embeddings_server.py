@@ -133,3 +133,16 @@ def test_a_generation_server_refuses_embeddings(tiny_model_dir):
         response = client.post("/v1/embeddings", json={"model": "tiny", "input": "hi"})
     assert response.status_code == 400
     assert "does not support the Embeddings API" in response.json()["error"]["message"]
+
+
+def test_concurrent_requests_share_steps_and_equal_their_answers_alone(http, engine):
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = [f"request {i}: " + TEXTS[i % 2] * (1 + i % 3) for i in range(12)]
+    alone = [vectors(embed(http, input=text))[0] for text in inputs]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(lambda text: vectors(embed(http, input=text))[0], inputs))
+    np.testing.assert_allclose(np.array(together), np.array(alone), atol=1e-5, rtol=0)
+    blocks = engine.engine.blocks
+    assert blocks.num_free_blocks == blocks.num_total_blocks
+    assert http.get("/metrics").status_code == 200
