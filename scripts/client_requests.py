@@ -148,7 +148,7 @@ def client_calls(url: str, recorder: Recorder) -> list[tuple[str, str, Callable[
         (
             "client_instructor_create_iterable",
             f"{ins} Mode.TOOLS create_iterable",
-            lambda: list(completions("TOOLS").create_iterable(**ask)),
+            lambda: list(completions("TOOLS").create_iterable(**{**ask, "messages": calls.ASK_MANY})),
         ),
         (
             "client_agents_sdk_turn",

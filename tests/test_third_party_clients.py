@@ -27,6 +27,7 @@ TABLE = Path(__file__).parent / "data" / "vllm_request_statuses.json"
 MODEL = "tiny"
 MAX_TOKENS = 64  # every constrained reply below fits: enums, booleans, no free strings or numbers
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ASK_MANY = [{"role": "user", "content": "Tell me the weather in every city."}]
 TABLE_NAMES = {
     "guidellm, chat": "chat_guidellm_stream",
     "guidellm, completions": "completions_guidellm_stream",
@@ -204,12 +205,19 @@ def test_instructor_create_partial_streams_to_a_whole_model(client, instructor_m
 
 def test_instructor_create_iterable_streams_whole_models(client, instructor_mod):
     patched = instructor_mod.from_openai(client, mode=instructor_mod.Mode.TOOLS)
+    # How long the list is is the model's choice (the grammar allows any length): to most prompts the tiny random
+    # model, greedy, answers {"tasks": []}; to this one it starts a list that max_tokens cuts. instructor yields
+    # each object as it closes in the streamed arguments.
     items = patched.chat.completions.create_iterable(
-        model=MODEL, messages=ASK, response_model=Weather, max_tokens=MAX_TOKENS, temperature=0, max_retries=0
+        model=MODEL,
+        messages=ASK_MANY,
+        response_model=Weather,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        max_retries=0,
     )
-    # How many objects the list holds is the model's choice (the grammar allows any length, and a long list is
-    # cut at max_tokens); each one instructor yields is whole.
-    assert all(isinstance(item, Weather) for item in items)
+    items = list(items)
+    assert items and all(isinstance(item, Weather) for item in items)
 
 
 # --- the OpenAI Agents SDK ---
