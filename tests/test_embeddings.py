@@ -224,3 +224,14 @@ def test_a_sentence_transformers_pooling_we_lack_is_refused_by_name(tmp_path):
     (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')
     assert pooler_config_for(tmp_path).pooling_type == "cls"
     assert not pooler_config_for(tmp_path).normalize  # no Normalize module
+
+
+def test_poolings_of_one_model_config_never_share_compiled_programs(model_dir, tmp_path):
+    """The executable cache keys a program by what it computes: a mean-pooling forward saved there must not
+    answer for a CLS-pooling one over a model of the same config."""
+    args = dict(ENGINE_ARGS, enforce_eager=True, compilation_cache_dir=str(tmp_path))
+    for pooling in ("mean", "cls"):
+        path = model_dir("llama", pooling)
+        output = LLM(str(path), **args).embed(PROMPTS[3], use_tqdm=False)[0]
+        expected = hf_embedding(path, output.prompt_token_ids, pooling)
+        np.testing.assert_allclose(output.outputs.embedding, expected, atol=1e-4, rtol=0)
