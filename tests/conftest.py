@@ -49,7 +49,16 @@ TINY_FAMILIES = {
     "mistral_sliding": ("MistralConfig", dict(TINY, sliding_window=8)),
     "qwen2_bias": ("Qwen2Config", dict(TINY, tie_word_embeddings=True)),
     "qwen3_qk_norm": ("Qwen3Config", dict(TINY, head_dim=32)),
+    "qwen3_yarn": (
+        "Qwen3Config",
+        dict(
+            TINY,
+            head_dim=32,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+        ),
+    ),
 }
+PRE_NNX_FAMILIES = ("llama", "llama3_rope", "mistral_sliding", "qwen2_bias", "qwen3_qk_norm", "smollm2_tied")
 
 
 def pytest_addoption(parser) -> None:

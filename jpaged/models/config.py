@@ -11,6 +11,7 @@ from typing import Any
 
 # HF `model_type` -> the family features our one Llama-shaped forward pass switches on.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_SCALINGS = ("linear", "llama3", "yarn")  # rope.py's SCALINGS computes each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +79,9 @@ class ModelConfig:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "default":
             scaling = {}
-        elif rope_type not in ("linear", "llama3"):
+        elif rope_type not in ROPE_SCALINGS:
             raise ValueError(
-                f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3"
+                f"unsupported rope_scaling type {rope_type!r}; supported: default, {', '.join(ROPE_SCALINGS)}"
             )
         sliding_window = hf.get("sliding_window")
         if model_type == "qwen2" and not hf.get("use_sliding_window", False):
