@@ -211,6 +211,14 @@ def test_runner_and_convert_are_checked_together():
         EngineConfig(runner="draft")
 
 
+def test_jpaged_serve_takes_vllms_runner_and_convert_flags():
+    from jpaged.entrypoints.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "some/model", "--runner", "pooling", "--convert", "embed"])
+    config = engine_config_from_args(args)
+    assert (config.runner, config.convert, config.is_pooling) == ("pooling", "embed", True)
+
+
 def test_a_sentence_transformers_pooling_we_lack_is_refused_by_name(tmp_path):
     from jpaged.models.sentence_transformers_config import pooler_config_for
 
