@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jinja2
 from jpaged_server.errors import APIError
 from jpaged_server.protocol import ChatMessage
 
@@ -60,11 +59,7 @@ def chat_prompt_ids(
             **({"continue_final_message": True} if continue_final_message else {}),
             **template_kwargs,
         )
-    except (
-        jinja2.TemplateError
-    ) as err:  # templates raise on conversations they do not accept (role order, ...)
-        raise APIError(400, f"the chat template rejected the messages: {err}", "messages") from None
-    except ValueError as err:  # no chat template at all
+    except ValueError as err:  # no chat template, or one that refuses the conversation (role order, a role)
         raise APIError(400, str(err), "messages") from None
 
 

@@ -218,3 +218,26 @@ def test_dead_engine_makes_health_and_generation_503(engine):
         assert_error(httpx.get(f"{dead.base_url}/health"), 503, None, "device lost")
         body = {"prompt": "x", "max_tokens": 1}
         assert_error(httpx.post(f"{dead.base_url}/v1/completions", json=body), 503, None, "not running")
+
+
+NO_SYSTEM_ROLE = (  # as Gemma's template refuses a system message
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
+
+
+def test_a_role_the_chat_template_refuses_is_400_naming_it_and_a_value_error_offline(
+    engine, default_tokenizer
+):
+    from jpaged.engine.tokenizer import apply_chat_template
+
+    messages = [{"role": "system", "content": "Be brief."}, *HI]
+    with serve_in_thread(build_app(engine, MODEL, chat_template=NO_SYSTEM_ROLE)) as running:
+        response = httpx.post(f"{running.base_url}/v1/chat/completions", json={"messages": messages})
+        accepted = httpx.post(
+            f"{running.base_url}/v1/chat/completions", json={"messages": HI, "max_tokens": 1}
+        )
+    assert_error(response, 400, "messages", "System role not supported")
+    assert accepted.status_code == 200
+    with pytest.raises(ValueError, match="System role not supported"):
+        apply_chat_template(default_tokenizer, messages, chat_template=NO_SYSTEM_ROLE)

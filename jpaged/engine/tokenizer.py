@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import jinja2
 from transformers import PreTrainedTokenizerBase
 
 
@@ -28,13 +29,18 @@ def apply_chat_template(
     own special tokens, so the tokenizer adds none unless `add_special_tokens` (vLLM's chat default too)."""
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("the model has no chat template; pass chat_template")
-    text = tokenizer.apply_chat_template(
-        messages,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        chat_template=chat_template,
-        **template_kwargs,
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **template_kwargs,
+        )
+    except (
+        jinja2.TemplateError
+    ) as err:  # a template refuses what its model cannot take (Gemma: a system role)
+        raise ValueError(f"the chat template rejected the messages: {err}") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
