@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +35,7 @@ from jpaged.models.loader import LoadedModel
 from jpaged.models.params import check_same_leaves, weights_spec
 from jpaged.outputs import RequestOutput
 from jpaged.runner.leader_runner import load_model_everywhere, start_runner
+from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.sampling_inputs import SamplerOutput
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from flax import nnx
 
     from jpaged.engine.startup import KVCacheSize
-    from jpaged.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class LLMEngine:
         self.warmup_seconds = 0.0 if config.enforce_eager else self.runner.warmup()
 
     def _start_runner(self, size: KVCacheSize, *, from_memory: bool) -> ModelRunner:
-        """The runner for this engine's steps (a pooling engine starts its own kind)."""
+        """The runner for this engine's steps, of the kind `_runner_class` says."""
         return start_runner(
             self.config,
             self.model_config,
@@ -108,7 +108,12 @@ class LLMEngine:
             num_blocks=size.num_blocks,
             max_model_len=self.max_model_len,
             num_swap_blocks=size.num_swap_blocks,
+            runner_class=self._runner_class(),
         )
+
+    def _runner_class(self) -> Callable[..., ModelRunner]:
+        """What builds this engine's runner (a pooling engine builds its own kind)."""
+        return ModelRunner
 
     # ---- requests ----
 

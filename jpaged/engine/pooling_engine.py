@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -20,11 +20,9 @@ from jpaged.config import EngineConfig
 from jpaged.core.pooling import PooledPrompt
 from jpaged.core.sequence import Request
 from jpaged.engine.llm_engine import LLMEngine
-from jpaged.engine.startup import KVCacheSize
 from jpaged.models.loader import LoadedModel
 from jpaged.models.sentence_transformers_config import PoolerConfig, pooler_config_for
 from jpaged.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
-from jpaged.runner.leader_runner import start_runner
 from jpaged.runner.pooling_runner import PoolingRunner
 from jpaged.runner.step_batch import StepSchedule
 from jpaged.sampling_params import SamplingParams
@@ -55,19 +53,10 @@ class PoolingEngine(LLMEngine):
         self._pooled: dict[str, tuple[PooledPrompt, PoolingParams]] = {}
         super().__init__(config, model=model)
 
-    def _start_runner(self, size: KVCacheSize, *, from_memory: bool) -> PoolingRunner:
+    def _runner_class(self) -> Callable[..., PoolingRunner]:
         source = self.model.source
         self.pooler = pooler_config_for(source.path if source.kind == "hf" else None)
-        return start_runner(
-            self.config,
-            self.model_config,
-            self.model.params,
-            from_memory=from_memory,
-            num_blocks=size.num_blocks,
-            max_model_len=self.max_model_len,
-            num_swap_blocks=size.num_swap_blocks,
-            runner_class=functools.partial(PoolingRunner, pooling=self.pooler.pooling_type),
-        )
+        return functools.partial(PoolingRunner, pooling=self.pooler.pooling_type)
 
     # ---- requests ----
 
