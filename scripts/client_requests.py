@@ -14,7 +14,6 @@ succeeded.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from collections.abc import Callable
@@ -43,6 +42,9 @@ class Recorder:
     async def async_hook(self, request: httpx.Request) -> None:
         self(request)
 
+    def async_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(event_hooks={"request": [self.async_hook]}, timeout=120)
+
     def client(self, url: str) -> openai.OpenAI:
         http = httpx.Client(event_hooks={"request": [self]}, timeout=120)
         return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, http_client=http)
@@ -54,6 +56,7 @@ def client_calls(url: str, recorder: Recorder) -> list[tuple[str, str, Callable[
     from langchain_openai import ChatOpenAI
 
     v = {p: version(p) for p in ("openai", "langchain-openai", "instructor", "openai-agents")}
+    agents = f"openai-agents {v['openai-agents']} Runner.run, OpenAIResponsesModel,"
     sdk, lc, ins = (
         f"openai {v['openai']}",
         f"langchain-openai {v['langchain-openai']}",
@@ -152,34 +155,16 @@ def client_calls(url: str, recorder: Recorder) -> list[tuple[str, str, Callable[
         ),
         (
             "client_agents_sdk_turn",
-            f"openai-agents {v['openai-agents']} Runner.run, OpenAIResponsesModel, one function tool (turn by turn)",
-            lambda: asyncio.run(agents_run(url, recorder)),
+            f"{agents} one function tool (turn by turn)",
+            lambda: calls.run_weather_agent(url, recorder.async_client()),
+        ),
+        (
+            "client_agents_sdk_output_type_turn",
+            f"{agents} one function tool, output_type=M (turn by turn)",
+            lambda: calls.run_weather_agent(url, recorder.async_client(), output_type=calls.Weather),
         ),
     ]
     return found
-
-
-async def agents_run(url: str, recorder: Recorder) -> None:
-    """test_third_party_clients' agent: a forced call to get_weather, then a reply in text."""
-    import agents
-
-    agents.set_tracing_disabled(True)
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        return "sunny"
-
-    http = httpx.AsyncClient(event_hooks={"request": [recorder.async_hook]}, timeout=120)
-    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, http_client=http) as client:
-        agent = agents.Agent(
-            name="weather",
-            instructions="Answer with the weather.",
-            tools=[get_weather],
-            model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
-            model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=calls.MAX_TOKENS),
-        )
-        await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
 
 
 def with_placeholder(value):

@@ -227,10 +227,10 @@ def main() -> None:
     }
     args.table.write_text(json.dumps(table, indent=1) + "\n")
 
-    print(f"{'entry':52} {'vLLM':>4}  reason")
+    print(f"{'entry':60} {'vLLM':>4}  reason")
     for entry in table["entries"]:
         note = entry.get("vllm_reason", entry.get("vllm_stream", ""))
-        print(f"{entry['name']:52} {entry['vllm_status']:>4}  {note[:70]}")
+        print(f"{entry['name']:60} {entry['vllm_status']:>4}  {note[:70]}")
     counts = {}
     for entry in table["entries"]:
         counts[entry["vllm_status"]] = counts.get(entry["vllm_status"], 0) + 1

@@ -223,33 +223,57 @@ def test_instructor_create_iterable_streams_whole_models(client, instructor_mod)
 # --- the OpenAI Agents SDK ---
 
 
-def test_agents_sdk_runs_an_agent_with_a_function_tool_over_the_responses_api(base_url):
+def run_weather_agent(base_url: str, http_client: httpx.AsyncClient | None = None, **agent_options):
+    """Runner.run on an Agent with the default model class (OpenAIResponsesModel) and one function tool; the first
+    turn is made to call the tool (the grammar makes the random model do it); the SDK then resets the choice to
+    "auto" for the turn that answers. Returns (the run's result or the exception it raised, the tool's calls)."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)  # the tracer would post to api.openai.com
     calls = []
 
     @agents.function_tool
-    def get_weather(city: str) -> str:
+    def get_weather(city: Literal["Paris", "Tokyo"]) -> str:  # an enum: a free string would never end
         """The weather in a city."""
         calls.append(city)
         return "sunny"
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        options = dict(base_url=base_url, api_key="unused", max_retries=0, http_client=http_client)
+        async with openai.AsyncOpenAI(**options) as client:
             agent = agents.Agent(
                 name="weather",
                 instructions="Answer with the weather.",
                 tools=[get_weather],
                 model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
-                # The first turn must call the tool (the grammar makes the random model do it); the SDK resets the
-                # choice to "auto" after a tool call, so the second turn answers in text.
-                model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=MAX_TOKENS),
+                model_settings=agents.ModelSettings(
+                    tool_choice="get_weather", max_tokens=MAX_TOKENS, temperature=0
+                ),
+                **agent_options,
             )
             return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
 
-    result = asyncio.run(run())
+    try:
+        return asyncio.run(run()), calls
+    except Exception as error:
+        return error, calls
+
+
+def test_agents_sdk_runs_a_function_tool_then_answers_in_its_output_type(base_url):
+    result, calls = run_weather_agent(base_url, output_type=Weather)
+    assert len(calls) == 1  # turn 1: the forced call ran; its output went back in turn 2's input
+    assert isinstance(result.final_output, Weather)  # turn 2: text.format json_schema, grammar-constrained
+
+
+def test_agents_sdk_free_text_answer_is_the_models_to_end(base_url):
+    result, calls = run_weather_agent(base_url)
     assert len(calls) == 1
-    assert isinstance(result.final_output, str)
+    # The second turn answers in free text, which the tiny random model never ends (it has no EOS in it): the
+    # response stops at max_output_tokens as status "incomplete", and the SDK refuses an incomplete response.
+    # The model's failure, not the server's: a model that ends its text gets a str final_output (checked against
+    # vLLM serving SmolLM2-135M).
+    agents = pytest.importorskip("agents")
+    assert isinstance(result, agents.exceptions.ModelBehaviorError), result
+    assert "max_output_tokens" in str(result)
 
 
 # --- guidellm's and `vllm bench serve`'s request shapes ---
