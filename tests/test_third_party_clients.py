@@ -4,8 +4,8 @@ the OpenAI Agents SDK, and the request shapes guidellm and `vllm bench serve` se
 
 The model is the tiny random one: what it says is noise, but structured outputs and forced tool calls are
 grammar-constrained, so they parse into the clients' pydantic models whatever the model. Where a client's result
-depends on what the model chooses (tool_choice "auto", json_mode's unconstrained object), the test asserts what the
-server guarantees and says what it leaves to the model. The schemas use enums and booleans so every constrained
+depends on what the model chooses (tool_choice "auto", json_mode's unconstrained object, an agent's free-text
+answer), the test asserts what the server guarantees and says what it leaves to the model. The schemas use enums and booleans so every constrained
 reply ends within max_tokens.
 """
 
