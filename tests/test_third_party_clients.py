@@ -16,10 +16,13 @@ import json
 from pathlib import Path
 from typing import Literal
 
+import agents
 import httpx
+import instructor
 import openai
 import pytest
 from jpaged_server.api_server import build_app
+from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 from server_harness import serve_in_thread
 
@@ -116,8 +119,7 @@ def test_openai_stream_helper_with_a_strict_tool(client):
 
 @pytest.fixture(scope="module")
 def chat_model(base_url):
-    langchain_openai = pytest.importorskip("langchain_openai")
-    return langchain_openai.ChatOpenAI(
+    return ChatOpenAI(
         model=MODEL, base_url=base_url, api_key="unused", max_tokens=MAX_TOKENS, temperature=0, max_retries=0
     )
 
@@ -161,11 +163,6 @@ def test_langchain_with_structured_output_json_mode_asks_for_a_json_object(chat_
 # --- instructor ---
 
 
-@pytest.fixture(scope="module")
-def instructor_mod():
-    return pytest.importorskip("instructor")
-
-
 @pytest.mark.filterwarnings("ignore:Mode.TOOLS_STRICT is deprecated")
 @pytest.mark.parametrize(
     "mode, options",
@@ -173,8 +170,8 @@ def instructor_mod():
     [("TOOLS", {}), ("TOOLS_STRICT", {"strict": True}), ("JSON_SCHEMA", {})],
     ids=["TOOLS", "TOOLS_STRICT", "JSON_SCHEMA"],
 )
-def test_instructor_modes_return_the_response_model(client, instructor_mod, mode, options):
-    patched = instructor_mod.from_openai(client, mode=getattr(instructor_mod.Mode, mode))
+def test_instructor_modes_return_the_response_model(client, mode, options):
+    patched = instructor.from_openai(client, mode=getattr(instructor.Mode, mode))
     weather = patched.chat.completions.create(
         model=MODEL,
         messages=ASK,
@@ -187,8 +184,8 @@ def test_instructor_modes_return_the_response_model(client, instructor_mod, mode
     assert isinstance(weather, Weather)
 
 
-def test_instructor_create_partial_streams_to_a_whole_model(client, instructor_mod):
-    patched = instructor_mod.from_openai(client, mode=instructor_mod.Mode.TOOLS)
+def test_instructor_create_partial_streams_to_a_whole_model(client):
+    patched = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
     partials = list(
         patched.chat.completions.create_partial(
             model=MODEL,
@@ -203,8 +200,8 @@ def test_instructor_create_partial_streams_to_a_whole_model(client, instructor_m
     assert Weather.model_validate(partials[-1].model_dump())
 
 
-def test_instructor_create_iterable_streams_whole_models(client, instructor_mod):
-    patched = instructor_mod.from_openai(client, mode=instructor_mod.Mode.TOOLS)
+def test_instructor_create_iterable_streams_whole_models(client):
+    patched = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
     # How long the list is is the model's choice (the grammar allows any length): to most prompts the tiny random
     # model, greedy, answers {"tasks": []}; to this one it starts a list that max_tokens cuts. instructor yields
     # each object as it closes in the streamed arguments.
@@ -227,7 +224,6 @@ def run_weather_agent(base_url: str, http_client: httpx.AsyncClient | None = Non
     """Runner.run on an Agent with the default model class (OpenAIResponsesModel) and one function tool; the first
     turn is made to call the tool (the grammar makes the random model do it); the SDK then resets the choice to
     "auto" for the turn that answers. Returns (the run's result or the exception it raised, the tool's calls)."""
-    agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)  # the tracer would post to api.openai.com
     calls = []
 
@@ -271,7 +267,6 @@ def test_agents_sdk_free_text_answer_is_the_models_to_end(base_url):
     # response stops at max_output_tokens as status "incomplete", and the SDK refuses an incomplete response.
     # The model's failure, not the server's: a model that ends its text gets a str final_output (checked against
     # vLLM serving SmolLM2-135M).
-    agents = pytest.importorskip("agents")
     assert isinstance(result, agents.exceptions.ModelBehaviorError), result
     assert "max_output_tokens" in str(result)
 
