@@ -55,13 +55,9 @@ async def chat_engine_input(
             "continue_final_message",
         )
     tools = plan_tools(body, auto_tool_parser=state.auto_tool_parser)
-    constraint = requested_spec(body)
-    if tools.spec is not None:
-        if constraint is not None:
-            raise APIError(
-                400, f"{constraint[1]} cannot be combined with a forced tool_choice", constraint[1]
-            )
-        constraint = tools.spec, "tools"
+    # A forced tool call's grammar wins over response_format and structured_outputs, as in vLLM (the Agents SDK
+    # sends its output_type's schema beside tool_choice="required"): the reply is the call.
+    constraint = (tools.spec, "tools") if tools.spec is not None else requested_spec(body)
     template_kwargs = body.chat_template_kwargs
     if body.reasoning_effort is not None:  # for the templates of models that think (gpt-oss reads it)
         template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}

@@ -359,6 +359,14 @@ def test_a_forced_tool_call_cut_by_max_tokens_is_still_a_tool_call(http):
     assert required["finish_reason"] == "length" and required["message"]["content"] is None
 
 
+def test_a_forced_tool_call_wins_over_response_format_as_in_vllm(http):
+    tools = [{"type": "function", "function": {"name": "locate", "parameters": POINT}}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "other", "schema": {"type": "array"}}}
+    whole = chat(http, tools=tools, tool_choice="required", response_format=fmt, max_tokens=60)
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), POINT)
+
+
 def test_streamed_tool_calls_carry_one_entry_per_call_and_no_empty_deltas(http):
     tools = [{"type": "function", "function": {"name": "locate", "parameters": POINT}}]
     body = {"messages": HI, "tools": tools, "tool_choice": "required", "max_tokens": 60, "temperature": 0}

@@ -86,11 +86,6 @@ CHAT_REFUSALS = {
         ["'nope'"],
     ),
     "tool_choice_without_tools": ({"tool_choice": "required"}, "tool_choice", ["needs tools"]),
-    "forced_tool_and_response_format": (
-        {"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
-        "response_format",
-        ["forced tool_choice"],
-    ),
     "tool_parameters_that_do_not_compile": (
         {
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
