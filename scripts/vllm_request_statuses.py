@@ -5,7 +5,7 @@ Starts `vllm serve` on a free 127.0.0.1 port (or talks to a running server, --ur
 and prints a short table and the command that reproduces it. tests/test_server_vllm_statuses.py holds jpaged to the
 same status class for every entry.
 
-    flock /tmp/jpaged-cpu.lock python scripts/vllm_request_statuses.py --capture-clients
+    python scripts/vllm_request_statuses.py --capture-clients
 
 --capture-clients first replaces the table's client_* entries with the exact bodies the pinned clients send this
 server (scripts/client_requests.py).
@@ -238,7 +238,7 @@ def main() -> None:
         f"{len(table['entries'])} bodies, vLLM {version}: "
         + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
     )
-    print("reproduce: flock /tmp/jpaged-cpu.lock python scripts/vllm_request_statuses.py --capture-clients")
+    print("reproduce: python scripts/vllm_request_statuses.py --capture-clients")
 
 
 if __name__ == "__main__":
