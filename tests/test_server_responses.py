@@ -73,7 +73,7 @@ def assert_400(response: httpx.Response, param: str, *words: str) -> None:
 
 
 def test_string_input_is_one_user_message_answered_as_chat_answers_it(client, http):
-    response = create(client, input="Hello there")
+    response = create(client, input="Hello there", text={"format": {"type": "text"}})
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.status in ("completed", "incomplete")
     assert [item.type for item in response.output] == ["message"]
@@ -253,36 +253,28 @@ def test_function_call_output_items_become_the_tool_messages_of_the_prompt(clien
     ]
     response = create(client, input=conversation, tools=[WEATHER_TOOL], tool_choice="none")
     assert [item.type for item in response.output] == ["message"]
-    tokenized = http.post(
-        "/tokenize",
-        json={
-            "model": MODEL,
-            "messages": [
-                {"role": "user", "content": "Weather in Paris?"},
+    as_chat = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
                 {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": "call_1",
-                            "type": "function",
-                            "function": {"name": "get_weather", "arguments": arguments},
-                        }
-                    ],
-                },
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                }
             ],
         },
-    )
-    # /tokenize has no tools field: compare with the prompt the same messages make through chat, tools included
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    chat_tool = {"type": "function", "function": {k: v for k, v in WEATHER_TOOL.items() if k != "type"}}
     chat = http.post(
         "/v1/chat/completions",
         json={
             "model": MODEL,
-            "messages": json.loads(tokenized.request.content)["messages"],
-            "tools": [
-                {"type": "function", "function": {k: v for k, v in WEATHER_TOOL.items() if k != "type"}}
-            ],
+            "messages": as_chat,
+            "tools": [chat_tool],
             "tool_choice": "none",
             "max_tokens": 1,
         },
@@ -323,6 +315,7 @@ def test_a_stream_sends_openais_events_in_order_and_the_client_parses_them(clien
     assert final.output_text == text == events[-4].text
     assert final.usage.total_tokens == final.usage.input_tokens + final.usage.output_tokens
     assert text == create(client, input="Hello there").output_text  # streamed or whole, the same reply
+    assert client.responses.retrieve(final.id).output_text == text  # a streamed response is stored too
 
 
 def test_the_clients_stream_helper_assembles_a_streamed_function_call(client):
