@@ -156,7 +156,7 @@ def _chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) ->
         "parallel_tool_calls": body.parallel_tool_calls,
         "tools": chat_tools(body.tools) if body.tools else None,
         "tool_choice": chat_tool_choice(body.tool_choice) if body.tool_choice is not None else None,
-        "response_format": _response_format(body),
+        "response_format": chat_response_format(body.text.format) if body.text and body.text.format else None,
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
     }
     try:
@@ -164,16 +164,6 @@ def _chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) ->
     except ValidationError as err:
         message, param = describe_validation_error(RequestValidationError(err.errors()))
         raise _in_responses_terms(APIError(400, message, param)) from None
-
-
-def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
-    """text.format shapes the reply's text; a forced function call (tool_choice "required" or a named function)
-    answers with no text, so the call's own grammar wins (the Agents SDK sends both on a tool turn)."""
-    if body.text is None or body.text.format is None:
-        return None
-    if body.tools and body.tool_choice not in (None, "auto", "none"):
-        return None
-    return chat_response_format(body.text.format)
 
 
 def _in_responses_terms(err: APIError) -> APIError:
