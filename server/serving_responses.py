@@ -167,11 +167,14 @@ def _chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) ->
 
 
 def _in_responses_terms(err: APIError) -> APIError:
+    """A chat refusal naming the Responses field instead (the whole `input` for a message, whose index in the
+    chat messages is not the item's)."""
     param, message = err.param, err.message
     for chat_name, name in RESPONSES_NAMES.items():
-        message = message.replace(chat_name, name)
-        if param is not None and (param == chat_name or param.startswith(f"{chat_name}.")):
-            param = name + param[len(chat_name) :] if chat_name != "messages" else name
+        if chat_name != "messages":  # "messages" is also a plain word in messages
+            message = message.replace(chat_name, name)
+        if param is not None and (param == chat_name or param.startswith((f"{chat_name}.", f"{chat_name}["))):
+            param = name if chat_name == "messages" else name + param[len(chat_name) :]
     return APIError(err.status, message, param, err.headers)
 
 
