@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from jpaged_server.body_limit import BodySizeLimitMiddleware
 from jpaged_server.chat_template import chat_prompt_ids, load_chat_template
-from jpaged_server.cli import DEFAULT_MAX_REQUEST_BODY_BYTES, auto_tool_parser
+from jpaged_server.cli import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STORED_RESPONSES, auto_tool_parser
 from jpaged_server.errors import APIError, error_response, install_error_handlers
 from jpaged_server.lifecycle import GracefulServer
 from jpaged_server.metrics import ServerMetrics
@@ -21,9 +21,11 @@ from jpaged_server.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
 )
+from jpaged_server.response_store import ResponseStore
 from jpaged_server.serving_chat import create_chat_completion
 from jpaged_server.serving_completions import create_completion
 from jpaged_server.serving_embeddings import add_pooling_routes
+from jpaged_server.serving_responses import create_response, delete_response, retrieve_response
 from jpaged_server.startup import EngineLoader, StartupApp
 from jpaged_server.state import ServerState, get_state
 from starlette.datastructures import Headers
@@ -51,6 +53,7 @@ def build_app(
     auto_tool_parser: str | None = None,
     reasoning_parser: str | None = None,
     strict_request_fields: bool = False,
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running engine, warmed up (AsyncLLMEngine.from_config returns after its
     warm-up): its /ready is 200 from the start. The caller owns the engine (and shuts it down)."""
@@ -66,12 +69,16 @@ def build_app(
         reasoning_parser=reasoning_parser,
         strict_request_fields=strict_request_fields,
     )
+    app.state.responses = ResponseStore(max_stored_responses)  # the Responses API's previous_response_id
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, state=app.state.server)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before auth
     add_pooling_routes(app, engine)  # first: on a pooling engine its refusals answer the generation paths
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
+    app.post("/v1/responses")(create_response)
+    app.get("/v1/responses/{response_id}")(retrieve_response)
+    app.delete("/v1/responses/{response_id}")(delete_response)
     _add_info_routes(app)
     return app
 
@@ -195,6 +202,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             auto_tool_parser=tool_parser,
             reasoning_parser=args.reasoning_parser,
             strict_request_fields=args.strict_request_fields,
+            max_stored_responses=args.max_stored_responses,
         )
 
     startup = StartupApp()

@@ -11,6 +11,7 @@ from jpaged_server.tool_parsers import TOOL_PARSERS
 from jpaged.config import EngineConfig
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20  # far above the JSON of any prompt a max_model_len admits
+DEFAULT_MAX_STORED_RESPONSES = 1024
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +43,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--strict-request-fields",
         action="store_true",
         help="refuse (400) request fields the server does not know, instead of ignoring them as vLLM does",
+    )
+    parser.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=DEFAULT_MAX_STORED_RESPONSES,
+        help="Responses API: how many responses the server keeps for previous_response_id and GET "
+        "/v1/responses/{id}, the least recently used forgotten first (vLLM keeps all); 0 stores none",
     )
     parser.add_argument(
         "--enable-auto-tool-choice",

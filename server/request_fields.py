@@ -90,9 +90,11 @@ def check_request_fields(body: BaseModel, *, strict: bool) -> dict[str, str]:
 def _header_value(names: list[str]) -> str:
     """The names as one header value: escaped to printable ASCII (a name may hold any character JSON allows),
     at most MAX_NAMES_IN_HEADER of them."""
-    shown = [
-        name.encode("unicode_escape").decode("ascii").replace(",", "\\x2c")
-        for name in names[:MAX_NAMES_IN_HEADER]
-    ]
+    shown = [_printable(name) for name in names[:MAX_NAMES_IN_HEADER]]
     more = len(names) - len(shown)
     return ", ".join(shown) + (f", ... ({more} more)" if more else "")
+
+
+def _printable(name: str) -> str:
+    """A field name as printable ASCII with no comma (the header's separator); the empty name as `""`."""
+    return name.encode("unicode_escape").decode("ascii").replace(",", "\\x2c") or '""'
