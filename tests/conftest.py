@@ -30,6 +30,17 @@ TINY = dict(
     vocab_size=49152,  # the default tokenizer's vocabulary, so tiny models can take text
     rms_norm_eps=1e-5,
 )
+
+
+def _longrope(rotary_dim: int, **extra) -> dict:
+    """Phi-3 LongRoPE over `rotary_dim` of TINY's head_dim 16, with a small original context (32) that prompts
+    and generations cross."""
+    half = rotary_dim // 2
+    factors = dict(short_factor=[1.0 + 0.25 * i for i in range(half)], long_factor=[1.5 + i for i in range(half)])
+    scaling = dict(rope_type="longrope", **factors, **extra)
+    return dict(max_position_embeddings=128, original_max_position_embeddings=32, rope_scaling=scaling)
+
+
 TINY_FAMILIES = {
     "llama": ("LlamaConfig", dict(TINY)),
     "llama3_rope": (
@@ -56,6 +67,18 @@ TINY_FAMILIES = {
             head_dim=32,
             rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
         ),
+    ),
+    "phi3": ("Phi3Config", dict(TINY, sliding_window=24)),  # Phi-3-mini's uniform window (its own: 2047)
+    # LongRoPE with a small original context: prompts and generations cross it.
+    "phi3_longrope": ("Phi3Config", dict(TINY, **_longrope(16))),
+    # Phi-4-mini's shape: LongRoPE on the first 3/4 of head_dim, tied embeddings.
+    "phi3_partial_rotary": (
+        "Phi3Config",
+        dict(TINY, tie_word_embeddings=True, **_longrope(12, partial_rotary_factor=0.75)),
+    ),
+    "llama_dynamic": (
+        "LlamaConfig",
+        dict(TINY, max_position_embeddings=32, rope_scaling=dict(rope_type="dynamic", factor=2.0)),
     ),
 }
 PRE_NNX_FAMILIES = ("llama", "llama3_rope", "mistral_sliding", "qwen2_bias", "qwen3_qk_norm", "smollm2_tied")

@@ -13,6 +13,8 @@ import pytest
 from conftest import PRE_NNX_FAMILIES, TINY_FAMILIES, hf_logits
 from jax.sharding import PartitionSpec as P
 
+from jpaged.models.config import ModelConfig
+from jpaged.models.families import FAMILIES, family_table
 from jpaged.models.llama import (
     StackedProducts,
     StepBatch,
@@ -46,13 +48,15 @@ class PagedRun:
 
     def step(self, seqs: list[list[int]], starts: list[int], ends: list[int]) -> list[np.ndarray]:
         """Compute tokens [start, end) of each sequence; returns each sequence's logits for those tokens."""
-        tokens, positions, slots, query_start = [], [], [], [0]
+        tokens, positions, slots, query_start, rope_lengths = [], [], [], [0], []
         tables = np.zeros((len(seqs), self.width), np.int32)
         for i, (ids, start, end) in enumerate(zip(seqs, starts, ends, strict=True)):
             tables[i] = 1 + i * self.width + np.arange(self.width)
             pos = np.arange(start, end)
             tokens += ids[start:end]
             positions += list(pos)
+            # The reference runs each whole sequence in one forward: every token's rope length is its length.
+            rope_lengths += [max(len(ids), p + 1) for p in pos]
             slots += list(tables[i, pos // BLOCK] * BLOCK + pos % BLOCK)
             query_start.append(query_start[-1] + end - start)
         total = query_start[-1]
@@ -61,6 +65,7 @@ class PagedRun:
             jnp.asarray([len(seqs)], jnp.int32),
             jnp.arange(total, dtype=jnp.int32),
             jnp.asarray([total], jnp.int32),
+            jnp.asarray(rope_lengths, jnp.int32),
         )
         logits, self.cache = self.fn(self.params, self.cache, batch)
         logits = np.asarray(logits)
@@ -199,10 +204,22 @@ def test_panels_give_the_same_logits_with_and_without_the_gated_form(tiny_model_
             np.testing.assert_array_equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_unsupported_architecture_is_a_value_error(tmp_path):
+def test_unsupported_architecture_is_a_value_error_listing_the_registrys_families(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
-    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'") as raised:
         load_model(str(tmp_path), progress=False)
+    assert str(raised.value).endswith(f"jpaged supports {', '.join(FAMILIES)}")
+    assert {"llama", "mistral", "qwen2", "qwen3", "phi3"} <= set(FAMILIES)
+
+
+def test_every_registered_family_has_a_tiny_model_here_and_a_row_in_the_family_table():
+    import transformers
+
+    configs = (getattr(transformers, name)(**kwargs).to_dict() for name, kwargs in TINY_FAMILIES.values())
+    tested = {ModelConfig.from_hf_config(config).architecture for config in configs}
+    assert tested == set(FAMILIES)
+    rows = family_table().splitlines()[2:]
+    assert [row.split(" | ")[0].strip("| ") for row in rows] == list(FAMILIES)
 
 
 def test_missing_model_path_is_a_value_error(tmp_path):

@@ -21,6 +21,9 @@ class StepBatch(NamedTuple):
     num_seqs: jax.Array  # [1] live sequences
     logits_indices: jax.Array  # [R] token rows whose logits are returned
     num_logits: jax.Array  # [1] rows of logits_indices in use (the rest is padding: its logits may be zero)
+    # [T] each token's max(its sequence's prompt length, position + 1): what LongRoPE and dynamic NTK scale by
+    # (rope.py); None reads as position + 1.
+    rope_lengths: jax.Array | None = None
 
 
 class KVCache(NamedTuple):

@@ -9,9 +9,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-# HF `model_type` -> the family features our one Llama-shaped forward pass switches on.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_SCALINGS = ("linear", "llama3", "yarn")  # rope.py's SCALINGS computes each
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope", "dynamic")  # rope.py's SCALINGS computes each
+_ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs' name for LongRoPE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,15 +30,17 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on the q, k and v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None  # Mistral
+    rotary_dim: int | None = (
+        None  # RoPE on the first rotary_dim of head_dim only (Phi-4-mini); None: all of it
+    )
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # sorted (key, value) pairs, e.g. llama3 scaling
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; jpaged supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        from jpaged.models.families import family_of  # the families import this module
+
+        family_of(self.architecture)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
@@ -66,28 +67,32 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Build from a transformers `config.json` dict (old `rope_theta`/`rope_scaling` or new `rope_parameters`)."""
+        from jpaged.models.families import family_of
+
         model_type = hf.get("model_type", "")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {model_type!r} (architectures={hf.get('architectures')}); "
-                f"jpaged supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        family = family_of(model_type, hf.get("architectures"))
         num_heads = hf["num_attention_heads"]
         rope = dict(hf.get("rope_parameters") or {})
         rope_theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+        partial_rotary_factor = rope.pop("partial_rotary_factor", None) or hf.get(
+            "partial_rotary_factor", 1.0
+        )
         scaling = dict(hf.get("rope_scaling") or rope)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
         if rope_type == "default":
             scaling = {}
         elif rope_type not in ROPE_SCALINGS:
             raise ValueError(
                 f"unsupported rope_scaling type {rope_type!r}; supported: default, {', '.join(ROPE_SCALINGS)}"
             )
-        sliding_window = hf.get("sliding_window")
-        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
-            sliding_window = None
-        if model_type in ("llama", "qwen3") and not hf.get("use_sliding_window", False):
-            sliding_window = None
+        scaling.pop("type", None)
+        if rope_type == "longrope" and "original_max_position_embeddings" not in scaling:
+            scaling["original_max_position_embeddings"] = hf[
+                "original_max_position_embeddings"
+            ]  # Phi-3's place
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rotary_dim = int(head_dim * partial_rotary_factor)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -98,17 +103,16 @@ class ModelConfig:
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            sliding_window=sliding_window,
+            rotary_dim=rotary_dim if rotary_dim < head_dim else None,
             rope_scaling=_freeze({**scaling, "rope_type": rope_type}) if scaling else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **family.features(hf),
         )
 
 

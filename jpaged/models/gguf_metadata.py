@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from jpaged.models.config import ModelConfig
+from jpaged.models.families import gguf_family
 
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
@@ -30,10 +30,7 @@ def read_gguf_fields(path: Path) -> dict[str, Any]:
 
 def gguf_model_config(fields: dict[str, Any]) -> ModelConfig:
     arch = fields.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {arch!r} in GGUF; jpaged supports {', '.join(_ARCHITECTURES)}"
-        )
+    family = gguf_family(arch)
 
     def get(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
@@ -45,7 +42,7 @@ def gguf_model_config(fields: dict[str, Any]) -> ModelConfig:
         scaling = (("factor", get("rope.scaling.factor")), ("rope_type", "linear"))
     eos = fields.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture=_ARCHITECTURES[arch],
+        architecture=family.model_type,
         vocab_size=get("vocab_size") or len(fields["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
@@ -58,7 +55,7 @@ def gguf_model_config(fields: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=get("context_length", 2048),
         tie_word_embeddings="output.weight" not in fields["_tensor_names"],
         attention_bias="blk.0.attn_q.bias" in fields["_tensor_names"],
-        qk_norm=arch == "qwen3",
+        qk_norm="blk.0.attn_q_norm.weight" in fields["_tensor_names"],
         rope_scaling=scaling,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),

@@ -1,4 +1,5 @@
-"""The Llama family as Flax NNX modules: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
+"""The shared decoder of the Llama-shaped families (families/: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3,
+Phi-3/3.5/4) as Flax NNX modules; a family's features are ModelConfig fields, its checkpoint names its module's.
 
 Shapes: T tokens in the step, S sequences (rows whose logits are wanted), D hidden size, F MLP size, V vocabulary,
 L layers, Hq/Hk query/KV heads, Dh head dim, N blocks, B block size.
@@ -142,7 +143,7 @@ class StepContext:
     """What every layer of one step shares: the batch, RoPE's cos/sin, where the new K/V go, the kernels."""
 
     batch: StepBatch
-    cos: jax.Array  # [T, 1, Dh]
+    cos: jax.Array  # [T, 1, R] (R: the rotary part of Dh)
     sin: jax.Array
     write_block: jax.Array  # [T]
     write_offset: jax.Array  # [T]
@@ -298,7 +299,7 @@ class CausalLM(nnx.Module):
         block_size = kv_cache.k.shape[2]
         step = StepContext(
             batch,
-            *cos_sin(batch.positions, c, dtype),
+            *cos_sin(batch.positions, c, dtype, batch.rope_lengths),
             batch.slot_mapping // block_size,
             batch.slot_mapping % block_size,
             batch.query_start[batch.num_seqs[0]],

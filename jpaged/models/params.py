@@ -30,31 +30,15 @@ class LeafRecipe:
 
 
 def hf_recipes(config: ModelConfig) -> dict[str, LeafRecipe]:
-    """Every leaf of the state dict (by its "/"-joined path) and the transformers tensors it is made of."""
-    layer = "model.layers.{i}."
-    attn, mlp = layer + "self_attn.", layer + "mlp."
-    recipes = {
-        "embed/weight": LeafRecipe(("model.embed_tokens.weight",), per_layer=False),
-        "final_norm/weight": LeafRecipe(("model.norm.weight",), per_layer=False),
-        "layers/attn_norm/weight": LeafRecipe((layer + "input_layernorm.weight",)),
-        "layers/mlp_norm/weight": LeafRecipe((layer + "post_attention_layernorm.weight",)),
-        "layers/attn/qkv": LeafRecipe(tuple(attn + f"{n}_proj.weight" for n in "qkv"), transposed=True),
-        "layers/attn/o": LeafRecipe((attn + "o_proj.weight",), transposed=True),
-        "layers/mlp/gate_up": LeafRecipe((mlp + "gate_proj.weight", mlp + "up_proj.weight"), transposed=True),
-        "layers/mlp/down": LeafRecipe((mlp + "down_proj.weight",), transposed=True),
-    }
-    if config.attention_bias:
-        recipes["layers/attn/qkv_bias"] = LeafRecipe(tuple(attn + f"{n}_proj.bias" for n in "qkv"))
-    if config.qk_norm:
-        recipes["layers/attn/q_norm/weight"] = LeafRecipe((attn + "q_norm.weight",))
-        recipes["layers/attn/k_norm/weight"] = LeafRecipe((attn + "k_norm.weight",))
-    if not config.tie_word_embeddings:
-        recipes["lm_head"] = LeafRecipe(("lm_head.weight",), transposed=True, per_layer=False)
-    return recipes
+    """Every leaf of the state dict (by its "/"-joined path) and the checkpoint tensors it is made of, as the
+    config's family names them."""
+    from jpaged.models.families import family_of  # the families import LeafRecipe from here
+
+    return family_of(config.architecture).checkpoint(config)
 
 
 def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress: bool = True) -> dict:
-    """The CausalLM state dict (numpy, `dtype`) from tensors named as in transformers' Llama/Qwen modules."""
+    """The CausalLM state dict (numpy, `dtype`) from tensors named as in the family's transformers modules."""
     recipes = hf_recipes(config)
 
     def read(recipe: LeafRecipe, layer: int | None) -> np.ndarray:
@@ -87,6 +71,8 @@ def random_params(config: ModelConfig, seed: int = 0, dtype=np.float32, std: flo
     shapes = {
         "embed_tokens.weight": (v, d),
         "lm_head.weight": (v, d),
+        "qkv_proj.weight": (q + 2 * kv, d),  # Phi-3's fused q|k|v
+        "gate_up_proj.weight": (2 * f, d),  # and gate|up
         "q_proj.weight": (q, d),
         "k_proj.weight": (kv, d),
         "v_proj.weight": (kv, d),

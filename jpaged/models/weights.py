@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from jpaged.models.config import ModelConfig
+from jpaged.models.families import family_of
 from jpaged.models.params import GetTensor
 
 _GGUF_TO_HF = {
@@ -113,7 +114,9 @@ def gguf_reader(path: Path, config: ModelConfig) -> GetTensor:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         # llama.cpp permutes Q/K rows for its interleaved RoPE on the llama architecture only.
-        if config.architecture in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if family_of(config.architecture).gguf_permutes_qk and name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             array = _unpermute_rows(array, heads)
         return array

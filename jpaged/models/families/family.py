@@ -1,0 +1,68 @@
+"""What a model family declares: how an HF `config.json` maps onto ModelConfig's features and how its checkpoint's
+tensor names map onto the state of the shared decoder (llama.py). One module a family beside this one, each a
+`Family` the registry (__init__.py) lists by HF `model_type`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jpaged.models.config import ModelConfig
+    from jpaged.models.params import LeafRecipe
+
+LAYER = "model.layers.{i}."
+ATTN, MLP = LAYER + "self_attn.", LAYER + "mlp."
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # HF config.json's `model_type`
+    architectures: tuple[str, ...]  # HF config.json's `architectures` it names
+    special: str  # what sets it apart from Llama, for README's family table
+    # HF config.json -> the ModelConfig fields the family sets beyond the shared ones (bias, norms, window...).
+    features: Callable[[Mapping[str, Any]], dict[str, Any]]
+    # Each state leaf (by its "/"-joined path) and the checkpoint tensors it is made of.
+    checkpoint: Callable[[ModelConfig], dict[str, LeafRecipe]]
+    gguf_architecture: str | None = None  # llama.cpp's `general.architecture`, where jpaged reads its GGUF
+    gguf_permutes_qk: bool = False  # llama.cpp permuted the Q/K rows for its interleaved RoPE
+
+    @property
+    def loaders(self) -> tuple[str, ...]:
+        return ("HF safetensors", "orbax", *(("GGUF",) if self.gguf_architecture else ()))
+
+
+def llama_checkpoint(config: ModelConfig, fused_qkv: str | None = None, fused_gate_up: str | None = None):
+    """transformers' Llama names: q/k/v and gate/up as separate matrices joined into the state's fused ones, or,
+    where the checkpoint stores them fused already (Phi-3), that one matrix: its rows q|k|v and gate|up are the
+    state's plain (one-group) column order, so it is read as it is."""
+    from jpaged.models.params import LeafRecipe
+
+    qkv_names = (ATTN + fused_qkv,) if fused_qkv else tuple(ATTN + f"{n}_proj.weight" for n in "qkv")
+    gate_up_names = (
+        (MLP + fused_gate_up,) if fused_gate_up else (MLP + "gate_proj.weight", MLP + "up_proj.weight")
+    )
+    recipes = {
+        "embed/weight": LeafRecipe(("model.embed_tokens.weight",), per_layer=False),
+        "final_norm/weight": LeafRecipe(("model.norm.weight",), per_layer=False),
+        "layers/attn_norm/weight": LeafRecipe((LAYER + "input_layernorm.weight",)),
+        "layers/mlp_norm/weight": LeafRecipe((LAYER + "post_attention_layernorm.weight",)),
+        "layers/attn/qkv": LeafRecipe(qkv_names, transposed=True),
+        "layers/attn/o": LeafRecipe((ATTN + "o_proj.weight",), transposed=True),
+        "layers/mlp/gate_up": LeafRecipe(gate_up_names, transposed=True),
+        "layers/mlp/down": LeafRecipe((MLP + "down_proj.weight",), transposed=True),
+    }
+    if config.attention_bias:
+        recipes["layers/attn/qkv_bias"] = LeafRecipe(tuple(ATTN + f"{n}_proj.bias" for n in "qkv"))
+    if config.qk_norm:
+        recipes["layers/attn/q_norm/weight"] = LeafRecipe((ATTN + "q_norm.weight",))
+        recipes["layers/attn/k_norm/weight"] = LeafRecipe((ATTN + "k_norm.weight",))
+    if not config.tie_word_embeddings:
+        recipes["lm_head"] = LeafRecipe(("lm_head.weight",), transposed=True, per_layer=False)
+    return recipes
+
+
+def window_if_used(hf: Mapping[str, Any]) -> int | None:
+    """The sliding window where `use_sliding_window` turns it on (Llama, Qwen2/3 configs carry one unused)."""
+    return hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
