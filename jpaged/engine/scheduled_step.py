@@ -73,6 +73,7 @@ def scheduled_step(
         sample_rows,
         [seq.pending_row for seq in seqs],
         [(i, seqs[i].request.prompt_token_ids) for i in prompt_logprob_seqs],
+        [seq.num_prompt_tokens for seq in seqs],
     )
     return ScheduledStep(seqs, num_new_tokens, rows, prompt_logprob_seqs, schedule, num_first_prompt_tokens)
 

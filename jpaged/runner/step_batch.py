@@ -34,6 +34,9 @@ class StepSchedule:
     pending_rows: list[int]
     # Sequences that compute prompt logprobs: (scheduled index, its prompt's token ids).
     prompt_logprob_seqs: list[tuple[int, Sequence[int]]] = field(default_factory=list)
+    # Each sequence's prompt length, for the RoPE scalings that depend on it (StepBatch.rope_lengths); None: every
+    # token is prompt (a pooling step).
+    prompt_lens: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -88,6 +91,9 @@ def pad_batch(schedule: StepSchedule, shapes: StepShapes, block_size: int, table
     slot_mapping[:num_tokens] = tables[seq_of_token, live // block_size] * block_size + live % block_size
     kv_lens = np.zeros(s_bucket, np.int32)
     kv_lens[:num_seqs] = computed + num_new
+    prompt_lens = schedule.prompt_lens or [len(ids) for ids in schedule.token_ids]
+    rope_lengths = np.zeros(t_bucket, np.int32)  # padding: 0, the short/original frequencies
+    rope_lengths[:num_tokens] = np.maximum(np.asarray(prompt_lens, np.int32)[seq_of_token], live + 1)
     logits_indices = np.zeros(s_bucket, np.int32)
     logits_indices[: len(sample_rows)] = query_start[np.asarray(sample_rows, np.int32) + 1] - 1
     num_logits = len(sample_rows)
@@ -109,6 +115,7 @@ def pad_batch(schedule: StepSchedule, shapes: StepShapes, block_size: int, table
         np.array([num_seqs], np.int32),
         logits_indices,
         np.array([num_logits], np.int32),
+        rope_lengths,
     )
     return PreparedStep(batch, prompt_targets)
 
@@ -126,4 +133,5 @@ def dummy_batch(num_tokens: int, num_seqs: int, table_width: int) -> StepBatch:
         np.array([0], np.int32),
         zeros(num_seqs),
         np.array([0], np.int32),
+        zeros(num_tokens),
     )
