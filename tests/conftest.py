@@ -36,7 +36,9 @@ def _longrope(rotary_dim: int, **extra) -> dict:
     """Phi-3 LongRoPE over `rotary_dim` of TINY's head_dim 16, with a small original context (32) that prompts
     and generations cross."""
     half = rotary_dim // 2
-    factors = dict(short_factor=[1.0 + 0.25 * i for i in range(half)], long_factor=[1.5 + i for i in range(half)])
+    factors = dict(
+        short_factor=[1.0 + 0.25 * i for i in range(half)], long_factor=[1.5 + i for i in range(half)]
+    )
     scaling = dict(rope_type="longrope", **factors, **extra)
     return dict(max_position_embeddings=128, original_max_position_embeddings=32, rope_scaling=scaling)
 

@@ -104,3 +104,13 @@ def test_an_unsupported_scaling_type_is_a_value_error_naming_the_supported_ones(
     hf = dict(transformers.Qwen3Config(**BASE).to_dict(), rope_scaling=dict(rope_type="fope", factor=2.0))
     with pytest.raises(ValueError, match="'fope'.*longrope"):
         ModelConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("alias", ["su", "yarn"])
+def test_phi3_reads_its_legacy_rope_type_names_as_longrope_as_transformers_does(alias):
+    config_class, scaling, extra, _ = BY_LENGTH["longrope"]
+    hf = config_class(**BASE, **extra, rope_scaling=scaling).to_dict()
+    hf["rope_parameters"] = dict(hf["rope_parameters"], rope_type=alias)
+    assert ModelConfig.from_hf_config(hf).rope_scaling_dict["rope_type"] == "longrope"
+    other = dict(transformers.Qwen3Config(**BASE, rope_scaling=SCALINGS["yarn"]).to_dict())
+    assert ModelConfig.from_hf_config(other).rope_scaling_dict["rope_type"] == "yarn"  # only Phi-3's alias

@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import Any
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope", "dynamic")  # rope.py's SCALINGS computes each
-_ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs' name for LongRoPE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +78,7 @@ class ModelConfig:
         )
         scaling = dict(hf.get("rope_scaling") or rope)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
+        rope_type = dict(family.rope_aliases).get(rope_type, rope_type)
         if rope_type == "default":
             scaling = {}
         elif rope_type not in ROPE_SCALINGS:

@@ -25,6 +25,9 @@ class Family:
     features: Callable[[Mapping[str, Any]], dict[str, Any]]
     # Each state leaf (by its "/"-joined path) and the checkpoint tensors it is made of.
     checkpoint: Callable[[ModelConfig], dict[str, LeafRecipe]]
+    rope_aliases: tuple[
+        tuple[str, str], ...
+    ] = ()  # (the config's rope type, the one it means) for this family
     gguf_architecture: str | None = None  # llama.cpp's `general.architecture`, where jpaged reads its GGUF
     gguf_permutes_qk: bool = False  # llama.cpp permuted the Q/K rows for its interleaved RoPE
 

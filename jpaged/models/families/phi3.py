@@ -14,4 +14,6 @@ FAMILY = Family(
     checkpoint=lambda config: llama_checkpoint(
         config, fused_qkv="qkv_proj.weight", fused_gate_up="gate_up_proj.weight"
     ),
+    # transformers' Phi3Config reads both as LongRoPE ("su": the first Phi-3 releases' name).
+    rope_aliases=(("su", "longrope"), ("yarn", "longrope")),
 )
