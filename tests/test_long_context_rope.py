@@ -47,3 +47,20 @@ def test_greedy_follows_transformers_below_across_and_above_the_original_context
         # A tiny random model's argmax barely depends on RoPE; its logprobs do.
         ours = [step[token].logprob for step, token in zip(output.outputs[0].logprobs, tokens, strict=True)]
         assert ours == pytest.approx(logprobs, abs=2e-5), label
+
+
+def test_a_prefix_cached_for_a_short_prompt_is_not_reused_for_a_long_one(tiny_model_dir):
+    """The short prompt's keys are rotated by the short factors, the long prompt's by the long ones: reusing the
+    cached prefix would give other logits, so a length-dependent RoPE turns prefix caching off."""
+    model_dir = tiny_model_dir("phi3_longrope")
+    llm = LLM(
+        str(model_dir), max_model_len=96, max_num_seqs=4, enforce_eager=True
+    )  # prefix caching asked (default)
+    long_prompt = [(5 * i + 11) % 4000 + 100 for i in range(45)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm.generate([{"prompt_token_ids": long_prompt[:20]}], params, use_tqdm=False)
+    (output,) = llm.generate([{"prompt_token_ids": long_prompt}], params, use_tqdm=False)
+    tokens, logprobs = hf_greedy(model_dir, long_prompt, 4)
+    ours = [step[token].logprob for step, token in zip(output.outputs[0].logprobs, tokens, strict=True)]
+    assert ours == pytest.approx(logprobs, abs=2e-5)
+    assert not llm.engine.config.enable_prefix_caching

@@ -63,6 +63,13 @@ class LLMEngine:
         source = self.model.source
         given_as = "the params given" if source.kind == "params" else f"the weights loaded from {source.path}"
         check_same_leaves(abstract_params(mc, params_dtype(self.model.params)), self.model.params, given_as)
+        if config.enable_prefix_caching and mc.rope_depends_on_length:
+            # A cached block holds keys rotated for the length of the request that computed it (LongRoPE's
+            # short or long factors, dynamic NTK's base): another request's keys may differ.
+            logger.warning(
+                "prefix caching is off: %s RoPE rotates by sequence length", mc.rope_scaling_dict["rope_type"]
+            )
+            self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
         self.tokenizer = self.model.tokenizer
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         size = size_kv_cache(config, self.model, self.max_model_len)

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope", "dynamic")  # rope.py's SCALINGS computes each
+# The scalings whose frequencies depend on the sequence's length (the rest are fixed per model).
+LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,12 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def rope_depends_on_length(self) -> bool:
+        """A token's rotation depends on its sequence's length: a cached prefix computed for another length
+        would not be this request's keys."""
+        return bool(self.rope_scaling) and self.rope_scaling_dict["rope_type"] in LENGTH_DEPENDENT_ROPE
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:

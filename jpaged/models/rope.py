@@ -135,8 +135,6 @@ def _dynamic(
     return 1.0 / (_dynamic_base(config, seq_len) ** (np.arange(0, dim, 2, dtype=np.float64) / dim)), 1.0
 
 
-# The scalings whose frequencies depend on the sequence's length (the rest are fixed per model).
-LENGTH_DEPENDENT = ("longrope", "dynamic")
 SCALINGS = {"linear": _linear, "llama3": _llama3, "yarn": _yarn, "longrope": _longrope, "dynamic": _dynamic}
 
 
@@ -158,8 +156,7 @@ def cos_sin(
     """cos and sin [T, 1, rotary_dim] of the tokens at `positions` [T], angles in float32, rounded to `dtype`.
     `rope_lengths` [T] (None: position + 1) matter to the sequence-length dependent scalings only."""
     inv_freq, attention_factor = rope_frequencies(config)
-    scaling = config.rope_scaling_dict
-    if scaling and scaling["rope_type"] in LENGTH_DEPENDENT:
+    if config.rope_depends_on_length:
         lengths = positions + 1 if rope_lengths is None else rope_lengths
         inv_freq = _token_inv_freq(config, lengths)
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)
