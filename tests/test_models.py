@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +221,7 @@ def test_every_registered_family_has_a_tiny_model_here_and_a_row_in_the_family_t
     assert tested == set(FAMILIES)
     rows = family_table().splitlines()[2:]
     assert [row.split(" | ")[0].strip("| ") for row in rows] == list(FAMILIES)
+    assert family_table() in (Path(__file__).parent.parent / "README.md").read_text()  # README lists them all
 
 
 def test_missing_model_path_is_a_value_error(tmp_path):
