@@ -115,3 +115,15 @@ async def generate_outputs(
         for task in (*pumps, disconnect, shutdown, getter):
             if task is not None:
                 task.cancel()
+
+
+async def final_output(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutput:
+    """The one finished output of a single-prompt whole (FINAL_ONLY) response; a stop is a 503."""
+    final = None
+    try:
+        async for _, output in outputs:
+            final = output
+    except GenerationStopped as stopped:
+        raise APIError(503, str(stopped)) from None
+    assert final is not None and final.finished
+    return final

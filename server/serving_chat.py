@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jpaged_server.chat_message import ReplyFormat, StreamingReply, finish_reason
 from jpaged_server.chat_template import chat_prompt_ids
 from jpaged_server.errors import APIError
-from jpaged_server.generation import EngineInput, GenerationStopped, generate_outputs, response_id
+from jpaged_server.generation import EngineInput, final_output, generate_outputs, response_id
 from jpaged_server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from jpaged_server.protocol import (
     ChatChoice,
@@ -125,13 +125,7 @@ async def _whole(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     headers: dict[str, str],
 ) -> Response:
-    final = None
-    try:
-        async for _, output in outputs:
-            final = output
-    except GenerationStopped as stopped:
-        raise APIError(503, str(stopped)) from None
-    assert final is not None and final.finished
+    final = await final_output(outputs)
     echo = _echoed(body)
     choices = []
     for choice in sorted(final.outputs, key=lambda c: c.index):

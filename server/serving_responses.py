@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jpaged_server.chat_message import ReplyFormat, StreamingReply
 from jpaged_server.errors import APIError, describe_validation_error
-from jpaged_server.generation import GenerationStopped, generate_outputs
+from jpaged_server.generation import GenerationStopped, final_output, generate_outputs
 from jpaged_server.protocol import AssistantMessage, ChatCompletionRequest, DeltaMessage, DeltaToolCall
 from jpaged_server.request_fields import IGNORED_FIELDS_HEADER
 from jpaged_server.response_store import ResponseStore, StoredResponse
@@ -118,13 +118,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.stream:
         events = _stream(response, reply, outputs, finished)
         return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    final = None
-    try:
-        async for _, output in outputs:
-            final = output
-    except GenerationStopped as stopped:
-        raise APIError(503, str(stopped)) from None
-    assert final is not None and final.finished
+    final = await final_output(outputs)
     choice = final.outputs[0]
     done = finished(_output_items(reply.message(choice.text)), choice.finish_reason, usage_of([final]))
     return JSONResponse(done.model_dump(), headers=headers)

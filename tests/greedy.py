@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from conftest import hf_model
+
 from jpaged.outputs import CompletionOutput
 
 NEAR_TIE = 1e-3  # top-2 logprob gap under which float rounding may legitimately flip the argmax
@@ -28,3 +30,20 @@ def assert_same_greedy(
         )
         return
     assert list(other) == list(reference.token_ids), f"{label}: same prefix but different lengths"
+
+
+def hf_greedy(model_path, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' argmax path (the prompt in one forward, then one token a step over its KV cache, EOS
+    included as with ignore_eos): the tokens and their logprobs."""
+    import torch
+
+    model, tokens, logprobs, past = hf_model(model_path), [], [], None
+    step_input = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            out = model(step_input, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            logprobs.append(float(torch.log_softmax(out.logits[0, -1].double(), -1)[token]))
+            step_input = torch.tensor([[token]])
+    return tokens, logprobs

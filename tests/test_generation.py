@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import hf_model
-from greedy import assert_same_greedy
+from greedy import assert_same_greedy, hf_greedy
 
 from jpaged import LLM, SamplingParams
 from jpaged.engine.tokenizer import tokenize_bad_words
@@ -28,26 +28,11 @@ def llm():
     )
 
 
-def hf_greedy(model_path, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """transformers' argmax decoding with its KV cache, EOS included (as with ignore_eos)."""
-    import torch
-
-    model, tokens, past = hf_model(model_path), list(prompt_ids), None
-    step_input = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            out = model(step_input, past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
-            tokens.append(token)
-            step_input = torch.tensor([[token]])
-    return tokens[len(prompt_ids) :]
-
-
 def test_greedy_tokens_equal_transformers_for_32_tokens(llm, default_gguf):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        hf_tokens = hf_greedy(default_gguf, output.prompt_token_ids, 32)
+        hf_tokens, _ = hf_greedy(default_gguf, output.prompt_token_ids, 32)
         assert len(output.outputs[0].token_ids) == 32
         assert_same_greedy(output.outputs[0], hf_tokens, label=prompt)
 

@@ -5,31 +5,13 @@ longer than the original context, chunked or whole, and while decoding crosses i
 from __future__ import annotations
 
 import pytest
-from conftest import hf_model
-from greedy import assert_same_greedy
+from greedy import assert_same_greedy, hf_greedy
 
 from jpaged import LLM, SamplingParams
 
 ORIGINAL = (
     32  # conftest's LongRoPE models' original_max_position_embeddings; dynamic's max_position_embeddings
 )
-
-
-def hf_greedy(model_dir, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' argmax path (the prompt in one forward, then one token a step over its KV cache): the tokens
-    and their logprobs."""
-    import torch
-
-    model, tokens, logprobs, past = hf_model(model_dir), [], [], None
-    step_input = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            out = model(step_input, past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
-            tokens.append(token)
-            logprobs.append(float(torch.log_softmax(out.logits[0, -1].double(), -1)[token]))
-            step_input = torch.tensor([[token]])
-    return tokens, logprobs
 
 
 @pytest.mark.parametrize("family", ["phi3_longrope", "phi3_partial_rotary", "llama_dynamic"])
