@@ -89,3 +89,12 @@ def serve_in_thread(
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def assert_400(response: httpx.Response, param: str, *words: str) -> None:
+    """A 400 naming `param`, its message holding each of `words`."""
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error["message"]

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from jpaged_server.api_server import build_app
 from jpaged_server.request_fields import IGNORED_FIELDS_HEADER, UNSUPPORTED
-from server_harness import serve_in_thread
+from server_harness import assert_400, serve_in_thread
 
 HI = [{"role": "user", "content": "Hi"}]
 POINT = {"type": "object", "properties": {"x": {"type": "boolean"}, "y": {"type": "boolean"}}}
@@ -50,11 +50,6 @@ def stream_chunks(http: httpx.Client, path: str, body: dict) -> list[dict]:
         payloads = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert payloads[-1] == "[DONE]"
     return [json.loads(p) for p in payloads[:-1]]
-
-
-def assert_400(response: httpx.Response, param: str) -> None:
-    assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
 
 
 # ---- fields the server does not declare ----

@@ -16,7 +16,7 @@ from jpaged_server.cli import add_server_args
 from jpaged_server.response_store import ResponseStore, StoredResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_harness import serve_in_thread
+from server_harness import assert_400, serve_in_thread
 
 MODEL = "tiny"
 WEATHER_TOOL = {
@@ -59,14 +59,6 @@ def prompt_tokens(http: httpx.Client, messages: list[dict]) -> int:
 
 def create(client, **kwargs):
     return client.responses.create(model=MODEL, **{"temperature": 0, "max_output_tokens": 8, **kwargs})
-
-
-def assert_400(response: httpx.Response, param: str, *words: str) -> None:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param, error
-    for word in words:
-        assert word in error["message"], error["message"]
 
 
 # --- whole responses ---

@@ -13,7 +13,7 @@ from jpaged_server.chat_message import ReplyFormat, StreamingReply
 from jpaged_server.cli import add_server_args, auto_tool_parser
 from jpaged_server.reasoning_parsers import REASONING_PARSERS
 from jpaged_server.tool_parsers import HermesFormat
-from server_harness import serve_in_thread, small_engine
+from server_harness import assert_400, serve_in_thread, small_engine
 
 HI = [{"role": "user", "content": "Hi"}]
 WEATHER_TOOL = {
@@ -34,14 +34,6 @@ def http(tiny_model_dir):
     ):
         client.timeout = 120
         yield client
-
-
-def assert_400(response: httpx.Response, param: str, *words: str) -> None:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param, error
-    for word in words:
-        assert word in error["message"], error["message"]
 
 
 CHAT_REFUSALS = {

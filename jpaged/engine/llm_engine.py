@@ -118,6 +118,18 @@ class LLMEngine:
             runner_class=self._runner_class(),
         )
 
+    def _new_prompt(
+        self, request_id: str, prompt: str | Sequence[int], *, add_special_tokens: bool
+    ) -> tuple[str | None, list[int]]:
+        """A new request's text (None for token ids) and token ids; ValueError while asleep or for an id in use."""
+        if self.runner.asleep:
+            raise ValueError("the engine is asleep (sleep was called): call wake_up before adding requests")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return None, [int(t) for t in prompt]
+
     def _runner_class(self) -> Callable[..., ModelRunner]:
         """What builds this engine's runner (a pooling engine builds its own kind)."""
         return ModelRunner
@@ -135,14 +147,7 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. BeamSearchParams make it a beam search: its output comes once, when it is done."""
         params = params or SamplingParams()
-        if self.runner.asleep:
-            raise ValueError("the engine is asleep (sleep was called): call wake_up before adding requests")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            text, token_ids = None, [int(t) for t in prompt]
+        text, token_ids = self._new_prompt(request_id, prompt, add_special_tokens=False)
         self.checks.check_prompt(token_ids)
         beam = None
         if isinstance(params, BeamSearchParams):

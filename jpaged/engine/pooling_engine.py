@@ -78,14 +78,7 @@ class PoolingEngine(LLMEngine):
                 "this engine runs a pooling model (runner 'pooling'): it serves embeddings only, "
                 f"not generation ({type(params).__name__})"
             )
-        if self.runner.asleep:
-            raise ValueError("the engine is asleep (sleep was called): call wake_up before adding requests")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            text, token_ids = None, [int(t) for t in prompt]
+        text, token_ids = self._new_prompt(request_id, prompt, add_special_tokens=True)
         token_ids = self.check_request(token_ids, params)
         request = Request(request_id, text, token_ids, _NO_SAMPLING, 0, time.time(), priority)
         seq = self._new_seq(request, list(token_ids), index=0)
