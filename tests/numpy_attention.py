@@ -43,7 +43,7 @@ def ragged_paged_attention_numpy(
         q_pos = kv_len - (end - begin) + np.arange(end - begin)
         k_pos = np.arange(kv_len)
         visible = k_pos[None, :] <= q_pos[:, None]
-        if sliding_window is not None:
+        if sliding_window is not None and sliding_window > 0:  # an array window <= 0: none
             visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = np.where(visible[None], scores, -np.inf)
         weights = np.exp(scores - scores.max(-1, keepdims=True))

@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from numpy_attention import ragged_paged_attention_numpy
 
 from jpaged.pallas import gpu, ragged_paged_attention, tpu
 from jpaged.pallas.cpu import attention as cpu
-from jpaged.pallas.reference import ragged_paged_attention_reference
+from jpaged.pallas.reference import paged_attention_stacked, ragged_paged_attention_reference
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 
@@ -114,7 +115,7 @@ def draw_step(
     Cache slots no real sequence owns (the null block, unused blocks, the tails of partial last blocks) hold
     random values, or `stale_value` when given.
     """
-    bucket, block_size = cfg.bucket, cfg.block_size
+    bucket = cfg.bucket
     num_real = int(rng.integers(1, bucket.num_seq_slots))
     q_lens, budget = [], bucket.num_tokens
     for s in range(num_real):
@@ -124,6 +125,21 @@ def draw_step(
         budget -= q_len
     kv_lens = np.zeros(bucket.num_seq_slots, np.int32)
     kv_lens[:num_real] = np.array(q_lens) + rng.integers(0, bucket.max_context + 1, num_real)
+    return step_of_lengths(rng, cfg, q_lens, kv_lens, stale_value)
+
+
+def step_of_lengths(
+    rng: np.random.Generator,
+    cfg: Config,
+    q_lens: list[int],
+    kv_lens: np.ndarray,
+    stale_value: float | None = None,
+    num_layers: int | None = None,
+) -> dict[str, np.ndarray]:
+    """A step of the real sequences' `q_lens` and `kv_lens` (padded to the bucket's slots) on random blocks and
+    random values; with `num_layers`, the cache is stacked `[L, N, B, Hk, D]`, each layer drawn apart."""
+    bucket, block_size, num_real = cfg.bucket, cfg.block_size, len(q_lens)
+    kv_lens = np.pad(np.asarray(kv_lens, np.int32)[:num_real], (0, bucket.num_seq_slots - num_real))
     query_start = np.zeros(bucket.num_seq_slots + 1, np.int32)
     query_start[1 : num_real + 1] = np.cumsum(q_lens)
     query_start[num_real + 1 :] = query_start[num_real]  # padding sequences repeat the last offset
@@ -138,14 +154,15 @@ def draw_step(
 
     heads = cfg.num_kv_heads * cfg.group
     cache_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    k_pages, v_pages = rng.standard_normal(cache_shape), rng.standard_normal(cache_shape)
+    layers = () if num_layers is None else (num_layers,)
+    k_pages, v_pages = (rng.standard_normal((*layers, *cache_shape)) for _ in "kv")
     if stale_value is not None:
         live = np.zeros(cache_shape[:2], bool)
         for s in range(num_real):
             positions = np.arange(kv_lens[s])
             live[block_tables[s, positions // block_size], positions % block_size] = True
-        k_pages[~live] = stale_value
-        v_pages[~live] = stale_value
+        k_pages[..., ~live, :, :] = stale_value
+        v_pages[..., ~live, :, :] = stale_value
     return dict(
         q=rng.standard_normal((bucket.num_tokens, heads, cfg.head_dim)),
         k_pages=k_pages,
@@ -318,3 +335,82 @@ def test_split_kv_decode_matches_float64_numpy(cfg, num_splits):
         out = np.asarray(kernel(*args).astype(jnp.float32))
         assert np.isfinite(out).all()
         assert relative_error(out, oracle(cfg, args), step) < TOLERANCE[cfg.dtype]
+
+
+# Gemma 2/3: sliding-window layers and global ones in one scan over the layers, the window per layer as data.
+STACKED = {
+    "reference": paged_attention_stacked,
+}
+WINDOW = 20
+LAYER_WINDOWS = (WINDOW, 0, WINDOW)  # 0: a global layer
+# Two decodes, a prefill chunk after 30 cached keys and a first prompt chunk: prompts past the window, over blocks
+GEMMA_BUCKET = Bucket(num_tokens=72, num_seq_slots=6, max_q_len=40, max_context=40)
+GEMMA_Q_LENS, GEMMA_KV_LENS = [1, 1, 40, 23], [50, 9, 70, 23]
+
+
+def window_of(window) -> int | None:
+    """The oracle's window for an array window's value."""
+    return int(window) if window > 0 else None
+
+
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+@pytest.mark.parametrize("kernel", list(STACKED))
+def test_one_scan_over_the_layers_gives_each_layer_its_own_window(kernel, soft_cap):
+    """Gemma's head size (256) and a GQA pair, windows [W, 0, W] as an array the scan indexes: one program for
+    local and global layers, each layer's output that of the oracle with its own window."""
+    cfg = Config(kernel, "float32", 16, 2, 2, 256, GEMMA_BUCKET, soft_cap=soft_cap)
+    rng = np.random.default_rng(zlib.crc32(cfg.id.encode()))
+    step = step_of_lengths(rng, cfg, GEMMA_Q_LENS, GEMMA_KV_LENS, num_layers=len(LAYER_WINDOWS))
+    q, k_cache, v_cache, *metadata = device_args(step, cfg.dtype)
+    traces = []
+
+    def attend(layer, window):
+        traces.append(layer)
+        options = dict(sm_scale=sm_scale(cfg), sliding_window=window, logits_soft_cap=soft_cap)
+        return STACKED[kernel](q, k_cache, v_cache, layer, *metadata, **options)
+
+    @jax.jit
+    def all_layers(windows):
+        layers = jnp.arange(windows.shape[0], dtype=jnp.int32)
+        return lax.scan(lambda _, layer: (None, attend(layer, windows[layer])), None, layers)[1]
+
+    out = np.asarray(all_layers(jnp.array(LAYER_WINDOWS, jnp.int32)))
+    assert len(traces) == 1, "local and global layers must be one program"
+    for layer, window in enumerate(LAYER_WINDOWS):
+        expected = ragged_paged_attention_numpy(
+            q,
+            k_cache[layer],
+            v_cache[layer],
+            *metadata,
+            sm_scale=sm_scale(cfg),
+            sliding_window=window_of(window),
+            logits_soft_cap=soft_cap,
+        )
+        assert relative_error(out[layer], expected, step) < TOLERANCE[cfg.dtype], f"layer {layer}"
+
+
+@pytest.mark.parametrize("kernel", list(STACKED))
+def test_a_function_jitted_once_serves_every_window_value_and_none_at_or_below_zero(kernel):
+    """The window is an argument of the compiled program: W, 0 and -1 run what was traced once, and a window
+    <= 0 attends as no window does."""
+    cfg = Config(
+        kernel, "float32", 16, 2, 2, 32, Bucket(num_tokens=48, num_seq_slots=4, max_q_len=30, max_context=30)
+    )
+    step = step_of_lengths(np.random.default_rng(13), cfg, [1, 30, 17], [45, 50, 17], num_layers=1)
+    q, k_cache, v_cache, *metadata = device_args(step, cfg.dtype)
+    traces = []
+
+    @jax.jit
+    def attend(window):
+        traces.append(window)
+        return STACKED[kernel](
+            q, k_cache, v_cache, jnp.int32(0), *metadata, sm_scale=sm_scale(cfg), sliding_window=window
+        )
+
+    for window in (WINDOW, 0, -1):
+        out = np.asarray(attend(jnp.int32(window)))
+        expected = ragged_paged_attention_numpy(
+            q, k_cache[0], v_cache[0], *metadata, sm_scale=sm_scale(cfg), sliding_window=window_of(window)
+        )
+        assert relative_error(out, expected, step) < TOLERANCE[cfg.dtype], f"window {window}"
+    assert len(traces) == 1

@@ -7,6 +7,10 @@ every backend (shapes in reference.py), dispatched by backend and `impl`. Implem
 kernels called through XLA's FFI, built on first use; cpu/). The model calls the *stacked* form,
 `fn(q, k_cache, v_cache, layer, ...)` over a cache `[L, N, B, Hk, D]`, which `get_attention_fn` builds for the
 chosen implementation; common.py holds what the kernels share.
+
+`sliding_window` is None (no window), a positive Python int, or an int32 scalar array (shape () or (1,)), possibly
+traced, such as `windows[layer]` inside the model's scan over layers: one compiled program serves every value, and
+a value <= 0 means no window (Gemma's global layers). Only a None window is free of the window's mask.
 """
 
 from __future__ import annotations
@@ -100,7 +104,7 @@ def ragged_paged_attention(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
     interpret: bool = False,
     impl: str = "auto",

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 NEG_INF = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
@@ -40,10 +41,29 @@ def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_se
     ):
         if array.shape != shape or array.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32{list(shape)}, got {array.dtype}{list(array.shape)}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    check_window(sliding_window)
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"logits_soft_cap must be positive, got {soft_cap}")
+
+
+def check_window(sliding_window) -> None:
+    """A window is None, a positive Python int, or an int32 array of one element (any value; <= 0: none)."""
+    if sliding_window is None:
+        return
+    if isinstance(sliding_window, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic):
+        if sliding_window.dtype != jnp.int32 or sliding_window.size != 1:
+            raise ValueError(
+                "sliding_window must be a Python int or an int32 scalar array, got "
+                f"{sliding_window.dtype}{list(sliding_window.shape)}"
+            )
+    elif not isinstance(sliding_window, int) or sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+
+
+def window_operand(sliding_window) -> jax.Array:
+    """The window as data, int32[1] (<= 0: none), so one compiled program serves every layer's window: Gemma's
+    local and global layers run in one scan over the layers. Call it only when `sliding_window is not None`."""
+    return jnp.asarray(sliding_window, jnp.int32).reshape(1)
 
 
 def find_tile_sequence(query_start_ref, tile, num_seqs, tile_tokens: int, search_steps: int):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jpaged.pallas.common import NEG_INF
+from jpaged.pallas.common import NEG_INF, check_window, window_operand
 from jpaged.rounding import cdiv
 
 # Prefill query rows per loop iteration: fewer iterations, each a bigger dot; a partial tile's padding rows cost
@@ -41,7 +41,7 @@ def ragged_paged_attention_reference(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -73,7 +73,7 @@ def paged_attention_stacked(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """The reference over one layer of a stacked cache `[L, N, B, Hk, D]`.
@@ -81,6 +81,8 @@ def paged_attention_stacked(
     Indexing the layer inside the gathers (rather than slicing `k_cache[layer]` first) lets XLA read the pages in
     place inside the model's layer scan instead of copying a whole layer's pool every step.
     """
+    check_window(sliding_window)
+    window = None if sliding_window is None else window_operand(sliding_window)[0]
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -118,8 +120,8 @@ def paged_attention_stacked(
             key_pos = c * chunk_len + jnp.arange(chunk_len)
             in_context = key_pos[None, :] < kv_lens[:, None]  # [S', L]
             mask = (key_pos[None, None, :] <= positions[:, :, None]) & in_context[:, None, :]
-            if sliding_window is not None:
-                mask &= key_pos[None, None, :] > positions[:, :, None] - sliding_window
+            if window is not None:
+                mask &= (window <= 0) | (key_pos[None, None, :] > positions[:, :, None] - window)
             mask = mask[:, None, :, None, :]
             scores = jnp.where(mask, scores, NEG_INF)
             m_new = jnp.maximum(m, scores.max(-1))
