@@ -76,14 +76,16 @@ def attention_runs(targets, args, rng):
         jnp.asarray, (batch.block_tables, batch.kv_lens, query_start, batch.num_seqs)
     )
 
+    no_window = jnp.zeros((1,), jnp.int32)  # the window operand (sources before it took an attribute)
+
     def make(target):
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
 
         def run(q, k, v):
             def layer(i, x):
                 return call(
-                    x, k, v, i.reshape(1), kv_lens, tables, query_start, num_seqs,
-                    sm_scale=np.float32(head_dim**-0.5), sliding_window=np.int32(0), soft_cap=np.float32(0.0),
+                    x, k, v, i.reshape(1), kv_lens, tables, query_start, num_seqs, no_window,
+                    sm_scale=np.float32(head_dim**-0.5), soft_cap=np.float32(0.0),
                 )  # fmt: skip
 
             return jax.lax.fori_loop(0, num_layers, layer, q)

@@ -14,6 +14,7 @@ import pytest
 
 from jpaged.pallas import gpu, resolve_attention_impl, tpu
 from jpaged.pallas.cpu import attention as cpu
+from jpaged.pallas.reference import ragged_paged_attention_reference
 
 
 def test_small_decode_buckets_split_the_kv_range_and_large_or_prefill_ones_do_not():
@@ -67,6 +68,27 @@ def test_bad_input_raises_value_error_naming_the_field(module, field, bad_value,
         inputs[field] = bad_value
     with pytest.raises(ValueError, match=field):
         module.ragged_paged_attention(*inputs.values(), sm_scale=1.0, interpret=True, **options)
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        gpu.ragged_paged_attention,
+        tpu.ragged_paged_attention,
+        cpu.ragged_paged_attention,
+        ragged_paged_attention_reference,
+    ],
+    ids=["gpu", "tpu", "cpu", "reference"],
+)
+@pytest.mark.parametrize(
+    "window",
+    [0, -3, 2.5, jnp.float32(4), jnp.array([4, 4], jnp.int32)],
+    ids=["0", "-3", "float", "f32", "int32x2"],
+)
+def test_a_window_is_a_positive_int_or_an_int32_scalar_array(attention, window):
+    """A Python int is checked at trace time; an array's value is data (<= 0: none), so only its type is checked."""
+    with pytest.raises(ValueError, match="sliding_window"):
+        attention(*_valid_inputs().values(), sm_scale=1.0, interpret=True, sliding_window=window)
 
 
 @pytest.mark.parametrize(

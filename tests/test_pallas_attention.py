@@ -340,6 +340,7 @@ def test_split_kv_decode_matches_float64_numpy(cfg, num_splits):
 # Gemma 2/3: sliding-window layers and global ones in one scan over the layers, the window per layer as data.
 STACKED = {
     "reference": paged_attention_stacked,
+    "cpu": cpu.ragged_paged_attention_stacked,
 }
 WINDOW = 20
 LAYER_WINDOWS = (WINDOW, 0, WINDOW)  # 0: a global layer
@@ -354,11 +355,11 @@ def window_of(window) -> int | None:
 
 
 @pytest.mark.parametrize("soft_cap", [None, 2.0])
-@pytest.mark.parametrize("kernel", list(STACKED))
-def test_one_scan_over_the_layers_gives_each_layer_its_own_window(kernel, soft_cap):
+@pytest.mark.parametrize(("kernel", "dtype"), [(k, "float32") for k in STACKED] + [("cpu", "bfloat16")])
+def test_one_scan_over_the_layers_gives_each_layer_its_own_window(kernel, dtype, soft_cap):
     """Gemma's head size (256) and a GQA pair, windows [W, 0, W] as an array the scan indexes: one program for
     local and global layers, each layer's output that of the oracle with its own window."""
-    cfg = Config(kernel, "float32", 16, 2, 2, 256, GEMMA_BUCKET, soft_cap=soft_cap)
+    cfg = Config(kernel, dtype, 16, 2, 2, 256, GEMMA_BUCKET, soft_cap=soft_cap)
     rng = np.random.default_rng(zlib.crc32(cfg.id.encode()))
     step = step_of_lengths(rng, cfg, GEMMA_Q_LENS, GEMMA_KV_LENS, num_layers=len(LAYER_WINDOWS))
     q, k_cache, v_cache, *metadata = device_args(step, cfg.dtype)
@@ -374,7 +375,7 @@ def test_one_scan_over_the_layers_gives_each_layer_its_own_window(kernel, soft_c
         layers = jnp.arange(windows.shape[0], dtype=jnp.int32)
         return lax.scan(lambda _, layer: (None, attend(layer, windows[layer])), None, layers)[1]
 
-    out = np.asarray(all_layers(jnp.array(LAYER_WINDOWS, jnp.int32)))
+    out = np.asarray(all_layers(jnp.array(LAYER_WINDOWS, jnp.int32)).astype(jnp.float32))
     assert len(traces) == 1, "local and global layers must be one program"
     for layer, window in enumerate(LAYER_WINDOWS):
         expected = ragged_paged_attention_numpy(

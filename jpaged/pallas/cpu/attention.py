@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.pallas.common import check_inputs, over_pages
+from jpaged.pallas.common import check_inputs, over_pages, window_operand
 from jpaged.pallas.cpu import huge_pages, library
 
 _TARGET = "jpaged_paged_attention"
@@ -68,7 +68,7 @@ def ragged_paged_attention_stacked(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -92,8 +92,8 @@ def ragged_paged_attention_stacked(
         block_tables,
         query_start,
         num_seqs,
+        jnp.zeros((1,), jnp.int32) if sliding_window is None else window_operand(sliding_window),
         sm_scale=np.float32(sm_scale),
-        sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(logits_soft_cap or 0.0),
     )
 

@@ -25,7 +25,7 @@ constexpr int64_t kStreamBytes = 64 * 1024;
 struct Problem {
   int num_kv_heads, group, head_dim, block_size, table_width, num_blocks;
   float scale, soft_cap;  // soft_cap 0: none
-  int window;             // 0: none
+  int window;             // <= 0: none (read from the window operand at run time: one program serves every layer)
   const int32_t* kv_lens;
   const int32_t* block_tables;
   const int32_t* query_start;
@@ -807,8 +807,8 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, const T* q, const T* k_l
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
-                          ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
-                          int32_t sliding_window, float soft_cap) {
+                          ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
+                          ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
   auto qd = q.dimensions();    // [T, Hq, D]
   auto kd = k_cache.dimensions();  // [L, N, B, Hk, D]
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("expected q [T,Hq,D], cache [L,N,B,Hk,D]");
@@ -829,7 +829,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   p.table_width = static_cast<int>(block_tables.dimensions()[1]);
   p.scale = sm_scale;
   p.soft_cap = soft_cap;
-  p.window = sliding_window;
+  p.window = window.typed_data()[0];
   p.kv_lens = kv_lens.typed_data();
   p.block_tables = block_tables.typed_data();
   p.query_start = query_start.typed_data();
@@ -864,9 +864,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()    // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()    // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()    // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // window [1], <= 0: none
                                   .Ret<ffi::AnyBuffer>()           // out
                                   .Attr<float>("sm_scale")
-                                  .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap"));
 
 // An array XLA allocates and nothing writes: the kernel never reads a KV slot no sequence owns, so its pool needs no
