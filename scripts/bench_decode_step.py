@@ -225,7 +225,7 @@ def main() -> None:
         layouts = {"auto": "auto", "xla": "stacked", "cpu": "panels"}
         matmuls = {}
         for name in args.matmul.split(","):
-            products = choose_products(model.params, layouts[name])
+            products = choose_products(model.params, layouts[name], activation=config.hidden_activation)
             matmuls[name] = products, jax.device_put(products.layout(model.params))
         layout = dict(head_dim=config.head_dim, dtype=dtype)
         impls = [resolve_attention_impl(impl, **layout) for impl in args.attention.split(",")]

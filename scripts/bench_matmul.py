@@ -7,7 +7,7 @@ before the kernel: each layer's matrices as separate arrays, stored [out, in] an
 (the faster of XLA's options at small row counts). Median of --repeats.
 
 --gated times the MLP the two ways the engine can run it: the kernel's gate_up product [rows, 3072] then XLA's
-silu(gate) * up (models.llama.silu_and_mul), against the kernel's gated form, which computes the activation on the
+silu(gate) * up (models.llama.act_and_mul), against the kernel's gated form, which computes the activation on the
 sums as it stores them (the engine's choice where gate and up are multiples of 16 wide); the down product after
 either.
 
@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path when run)
 
-from jpaged.models.llama import silu_and_mul  # noqa: E402
+from jpaged.models.llama import act_and_mul  # noqa: E402
 from jpaged.pallas.cpu import matmul as cpu_matmul  # noqa: E402
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N) per layer, in order
@@ -64,7 +64,7 @@ def gated_table(weights: list, rows_list: list[int], dtype, repeats: int, rng) -
 
         return jax.jit(run)
 
-    unfused = mlp(lambda x, w, i: silu_and_mul(cpu_matmul.matmul(x, w, width, layer=i), (half, half), 1))
+    unfused = mlp(lambda x, w, i: act_and_mul(cpu_matmul.matmul(x, w, width, layer=i), (half, half), 1))
     gated = mlp(lambda x, w, i: cpu_matmul.gated_matmul(x, w, half, layer=i))
     panels, gated_panels, down_panels = (
         cpu_matmul.pack(gate_up),

@@ -82,6 +82,36 @@ TINY_FAMILIES = {
         "LlamaConfig",
         dict(TINY, max_position_embeddings=32, rope_scaling=dict(rope_type="dynamic", factor=2.0)),
     ),
+    # A sliding layer (window 8, which the prompts cross) then a global one; soft caps small enough to bite
+    # on tiny random weights; a query_pre_attn_scalar that is not head_dim.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            TINY,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=0.5,
+        ),
+    ),
+    # Local, global, local: the local layers with an unscaled RoPE base of their own, the global one linearly
+    # scaled (as Gemma 3 4B-27B), q/k norms.
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            TINY,
+            num_hidden_layers=3,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=100000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=1000.0),
+            },
+        ),
+    ),
 }
 PRE_NNX_FAMILIES = ("llama", "llama3_rope", "mistral_sliding", "qwen2_bias", "qwen3_qk_norm", "smollm2_tied")
 
@@ -124,6 +154,11 @@ def _save_tiny(family: str, root: str) -> Path:
     config = getattr(transformers, class_name)(**kwargs)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if class_name.startswith("Gemma"):  # its norms start at w = 0, where a wrong (1 + w) would go unseen
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    weight.normal_(0.0, 0.5)
     path = Path(root) / family
     model.save_pretrained(path)
     return path

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.models.llama import silu_and_mul
+from jpaged.models.llama import act_and_mul
 from jpaged.pallas.cpu import library
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
@@ -185,12 +185,12 @@ def test_the_gated_form_gives_silu_of_gate_times_up_in_float64_numpy(m, k, f, dt
 
 
 def test_the_gated_form_gives_the_unfused_products_bits_in_bfloat16():
-    """The same bits as the [M, 2F] product followed by llama.py's silu_and_mul (XLA's activation), so the
+    """The same bits as the [M, 2F] product followed by llama.py's act_and_mul (XLA's activation), so the
     engine's bfloat16 output does not depend on which of the two it took."""
     rng = np.random.default_rng(9)
     w = jnp.asarray(rng.standard_normal((1, 576, 2 * 1536)) / 24, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((64, 576)), jnp.bfloat16)
-    unfused = silu_and_mul(_matmul(x, cpu_matmul.pack(w), 0, 50, n=2 * 1536), (1536, 1536), 1)
+    unfused = act_and_mul(_matmul(x, cpu_matmul.pack(w), 0, 50, n=2 * 1536), (1536, 1536), 1)
     np.testing.assert_array_equal(
         np.asarray(_gated(x, cpu_matmul.pack_gated(w), 0, 50, n=1536), np.float32),
         np.asarray(unfused, np.float32),

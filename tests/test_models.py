@@ -36,7 +36,9 @@ class PagedRun:
     """Drives the forward pass by hand: sequences get consecutive blocks, steps feed chosen token ranges."""
 
     def __init__(self, loaded, num_seqs: int, max_len: int = 128, layout: str = "stacked", products=None):
-        products = products or choose_products(loaded.params, layout)
+        products = products or choose_products(
+            loaded.params, layout, activation=loaded.config.hidden_activation
+        )
         params = products.layout(loaded.params)
         self.config, self.params = loaded.config, jax.device_put(params)
         self.width = max_len // BLOCK
@@ -191,7 +193,7 @@ def test_panels_give_the_same_logits_with_and_without_the_gated_form(tiny_model_
     """The matmul kernel's gated form (the MLP's activation on the gate|up sums) against the unfused product with
     XLA's activation, which panels take where gate and up are not multiples of 16 wide."""
     loaded = load_model(str(tiny_model_dir("llama")), progress=False)
-    gated = choose_products(loaded.params, "panels")
+    gated = choose_products(loaded.params, "panels", activation="silu")
     assert gated.gated_form
     prompts = [list(map(int, np.random.default_rng(4).integers(0, 49152, n))) for n in (9, 20)]
     runs = [

@@ -12,6 +12,8 @@ from typing import Any
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope", "dynamic")  # rope.py's SCALINGS computes each
 # The scalings whose frequencies depend on the sequence's length (the rest are fixed per model).
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
+# The gated MLP's activations by transformers' `hidden_act` names (llama.py's ACTIVATIONS computes each).
+HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,20 @@ class ModelConfig:
         None  # RoPE on the first rotary_dim of head_dim only (Phi-4-mini); None: all of it
     )
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # sorted (key, value) pairs, e.g. llama3 scaling
+    # Which layers `sliding_window` applies to (Gemma 2/3 alternate local and global layers); None: all of them.
+    sliding_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = (
+        None  # RoPE base of the sliding layers, unscaled (Gemma 3); None: rope_theta
+    )
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w), in float32 (Gemma: 1)
+    hidden_activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh" (Gemma's GeGLU)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    post_norms: bool = (
+        False  # RMSNorm after attention and after the MLP too, before each residual add (Gemma)
+    )
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim's (Gemma)
+    attn_logit_softcap: float | None = None  # cap * tanh(score / cap) on attention scores (Gemma 2)
+    final_logit_softcap: float | None = None  # and on the final logits
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -42,6 +58,15 @@ class ModelConfig:
         from jpaged.models.families import family_of  # the families import this module
 
         family_of(self.architecture)
+        if self.hidden_activation not in HIDDEN_ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden_activation {self.hidden_activation!r}; supported: "
+                f"{', '.join(HIDDEN_ACTIVATIONS)}"
+            )
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(
+                f"layer_types names {len(self.sliding_layers)} layers, the model has {self.num_layers}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
@@ -61,6 +86,7 @@ class ModelConfig:
         out = dataclasses.asdict(self)
         out["rope_scaling"] = self.rope_scaling_dict
         out["eos_token_ids"] = list(self.eos_token_ids)
+        out["sliding_layers"] = None if self.sliding_layers is None else list(self.sliding_layers)
         return out
 
     @classmethod
@@ -69,6 +95,8 @@ class ModelConfig:
         kwargs = {k: v for k, v in data.items() if k in fields}
         kwargs["rope_scaling"] = _freeze(kwargs.get("rope_scaling"))
         kwargs["eos_token_ids"] = tuple(kwargs.get("eos_token_ids", ()))
+        if kwargs.get("sliding_layers") is not None:
+            kwargs["sliding_layers"] = tuple(kwargs["sliding_layers"])
         return cls(**kwargs)
 
     @classmethod
@@ -80,6 +108,7 @@ class ModelConfig:
         family = family_of(model_type, hf.get("architectures"))
         num_heads = hf["num_attention_heads"]
         rope = dict(hf.get("rope_parameters") or {})
+        rope = dict(rope.get("full_attention", rope))  # per layer type (Gemma 3): the global layers' RoPE
         rope_theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
         partial_rotary_factor = rope.pop("partial_rotary_factor", None) or hf.get(
             "partial_rotary_factor", 1.0
@@ -102,7 +131,7 @@ class ModelConfig:
         rotary_dim = int(head_dim * partial_rotary_factor)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        shared = dict(
             architecture=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -119,8 +148,8 @@ class ModelConfig:
             rope_scaling=_freeze({**scaling, "rope_type": rope_type}) if scaling else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            **family.features(hf),
         )
+        return cls(**{**shared, **family.features(hf)})
 
 
 def _freeze(mapping: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:

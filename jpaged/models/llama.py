@@ -1,5 +1,6 @@
 """The shared decoder of the Llama-shaped families (families/: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3,
-Phi-3/3.5/4) as Flax NNX modules; a family's features are ModelConfig fields, its checkpoint names its module's.
+Phi-3/3.5/4, Gemma 2/3) as Flax NNX modules; a family's features are ModelConfig fields, its checkpoint names its
+module's.
 
 Shapes: T tokens in the step, S sequences (rows whose logits are wanted), D hidden size, F MLP size, V vocabulary,
 L layers, Hq/Hk query/KV heads, Dh head dim, N blocks, B block size.
@@ -8,8 +9,11 @@ The modules and their state (weights stored [in, out]; q/k/v and gate/up fused s
   CausalLM     embed.weight [V, D], layers (one DecoderLayer stack), final_norm.weight [D],
                lm_head [D, V] (absent when tied to the embedding)
   DecoderLayer attn_norm.weight, attn (qkv [D, (Hq + 2 Hk) Dh], qkv_bias (Qwen2), q_norm / k_norm.weight [Dh]
-               (Qwen3), o [Hq Dh, D]), mlp_norm.weight, mlp (gate_up [D, 2F], down [F, D]); every leaf stacked on
-               a leading L axis (an `nnx.vmap`-built stack) so that `lax.scan` compiles one layer, not thirty.
+               (Qwen3, Gemma 3), o [Hq Dh, D]), attn_post_norm.weight (Gemma), mlp_norm.weight, mlp (gate_up
+               [D, 2F], down [F, D]), mlp_post_norm.weight (Gemma); every leaf stacked on a leading L axis (an
+               `nnx.vmap`-built stack) so that `lax.scan` compiles one layer, not thirty. What differs between
+               layers (Gemma's sliding-window layers, their RoPE base) is data indexed by the layer, so local and
+               global layers are one program.
 Every weight names its logical axes (`out_sharding` metadata, see `partition_specs`) for tensor parallelism.
 
 The engine runs the model functionally: it holds `model_graphdef(config)` and the state as a plain dict
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import jax
@@ -85,10 +89,16 @@ class MatrixProducts(Protocol):
         ...
 
     def gated(
-        self, weight: jax.Array, x: jax.Array, layer: jax.Array, rows: jax.Array, sizes: tuple[int, int]
+        self,
+        weight: jax.Array,
+        x: jax.Array,
+        layer: jax.Array,
+        rows: jax.Array,
+        sizes: tuple[int, int],
+        activation: str,
     ) -> jax.Array:
-        """The MLP's activation silu(x @ gate) * (x @ up) from layer `layer`'s gate_up matrix (as `layer` takes
-        it), gate and up `sizes` wide, computed as `silu_and_mul` computes it."""
+        """The MLP's activation act(x @ gate) * (x @ up) from layer `layer`'s gate_up matrix (as `layer` takes
+        it), gate and up `sizes` wide, computed as `act_and_mul` computes it."""
         ...
 
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
@@ -96,11 +106,20 @@ class MatrixProducts(Protocol):
         ...
 
 
-def silu_and_mul(gate_up: jax.Array, sizes: tuple[int, int], fused_groups: int) -> jax.Array:
-    """silu(gate) * up of a gate|up product. SiLU in float32, rounded once, as torch's does for bfloat16: XLA's
-    bfloat16 SiLU rounds after every op, each rounding a conversion of its own on CPU."""
+# The gated MLP's activations by ModelConfig.hidden_activation (transformers' silu and gelu_pytorch_tanh).
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+def act_and_mul(
+    gate_up: jax.Array, sizes: tuple[int, int], fused_groups: int, activation: str = "silu"
+) -> jax.Array:
+    """act(gate) * up of a gate|up product. The activation in float32, rounded once, as torch's does for bfloat16:
+    XLA's bfloat16 SiLU rounds after every op, each rounding a conversion of its own on CPU."""
     gate, up = split_fused(gate_up, sizes, fused_groups)
-    return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
+    return ACTIVATIONS[activation](gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
 @dataclass(frozen=True)
@@ -123,8 +142,10 @@ class StackedProducts:
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
         return x @ weight
 
-    def gated(self, weight, x, layer, rows, sizes) -> jax.Array:
-        return silu_and_mul(self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups)
+    def gated(self, weight, x, layer, rows, sizes, activation) -> jax.Array:
+        return act_and_mul(
+            self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups, activation
+        )
 
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         return jnp.dot(h, weight.T if tied else weight, preferred_element_type=jnp.float32)
@@ -140,11 +161,15 @@ def _weight(shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], fill: f
 
 @dataclass(frozen=True)
 class StepContext:
-    """What every layer of one step shares: the batch, RoPE's cos/sin, where the new K/V go, the kernels."""
+    """What every layer of one step shares: the batch, RoPE's cos/sin, where the new K/V go, the kernels, and
+    what tells the layers apart (`sliding`)."""
 
+    config: ModelConfig
     batch: StepBatch
     cos: jax.Array  # [T, 1, R] (R: the rotary part of Dh)
     sin: jax.Array
+    local_rotation: tuple[jax.Array, jax.Array] | None  # cos and sin of the sliding layers' own RoPE base
+    sliding: jax.Array | None  # [L] bool: the layers the window applies to (None: all, if there is one)
     write_block: jax.Array  # [T]
     write_offset: jax.Array  # [T]
     live_tokens: jax.Array  # the step's real tokens (the rest of T is padding)
@@ -155,26 +180,59 @@ class StepContext:
         return self.products.layer(name, weight[...], x, layer, self.live_tokens)
 
     def gated(self, weight: nnx.Param, x: jax.Array, layer: jax.Array, sizes: tuple[int, int]) -> jax.Array:
-        return self.products.gated(weight[...], x, layer, self.live_tokens, sizes)
+        return self.products.gated(
+            weight[...], x, layer, self.live_tokens, sizes, self.config.hidden_activation
+        )
+
+    def rotation(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos and sin for layer `layer`: the sliding layers' own where they have a RoPE base of their own."""
+        if self.local_rotation is None:
+            return self.cos, self.sin
+        local = self.sliding[layer]
+        (local_cos, local_sin) = self.local_rotation
+        return jnp.where(local, local_cos, self.cos), jnp.where(local, local_sin, self.sin)
+
+    def window(self, layer: jax.Array) -> int | jax.Array | None:
+        """Layer `layer`'s sliding window: the config's (static) where every layer has it, else an int32 that is
+        0 (none) on the global layers, so the one scanned layer program serves both kinds."""
+        window = self.config.sliding_window
+        if self.sliding is None or window is None:
+            return window
+        return jnp.where(self.sliding[layer], jnp.int32(window), jnp.int32(0))
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype, axis: str) -> None:
+    """transformers' RMSNorm: Llama's scales the normalised x, rounded to x's dtype, by w; Gemma's (an `offset` of
+    1) scales it by (1 + w) in float32 before rounding. The state holds the checkpoint's w either way."""
+
+    def __init__(self, dim: int, eps: float, dtype, axis: str, offset: float = 0.0) -> None:
         self.eps = eps
-        self.weight = _weight((dim,), dtype, (axis,), fill=1.0)
+        self.offset = offset
+        self.weight = _weight((dim,), dtype, (axis,), fill=1.0 - offset)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
 
 
+def _norm(config: ModelConfig, dim: int, dtype, axis: str) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, dtype, axis, config.norm_offset)
+
+
 class Embedding(nnx.Module):
-    def __init__(self, vocab_size: int, dim: int, dtype) -> None:
+    """Token embeddings, times sqrt(D) where the config says (Gemma: the factor rounded to the dtype first, as
+    transformers does)."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype, scaled: bool = False) -> None:
+        self.scale = dim**0.5 if scaled else None
         self.weight = _weight((vocab_size, dim), dtype, (VOCAB, EMBED))
 
     def __call__(self, token_ids: jax.Array, products: MatrixProducts) -> jax.Array:
-        return products.embed(self.weight[...], token_ids)
+        x = products.embed(self.weight[...], token_ids)
+        return x if self.scale is None else x * jnp.asarray(self.scale, x.dtype)
 
 
 class Attention(nnx.Module):
@@ -186,8 +244,8 @@ class Attention(nnx.Module):
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.qkv = _weight((c.hidden_size, width), dtype, (EMBED, QKV))
         self.qkv_bias = _weight((width,), dtype, (QKV,)) if c.attention_bias else None
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, HEAD_DIM) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, HEAD_DIM) if c.qk_norm else None
+        self.q_norm = _norm(c, c.head_dim, dtype, HEAD_DIM) if c.qk_norm else None
+        self.k_norm = _norm(c, c.head_dim, dtype, HEAD_DIM) if c.qk_norm else None
         self.o = _weight((c.num_heads * c.head_dim, c.hidden_size), dtype, (HEADS, EMBED))
 
     def __call__(
@@ -205,7 +263,8 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
+        cos, sin = step.rotation(layer)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k_cache = k_cache.at[layer, step.write_block, step.write_offset].set(as_stored(k, k_cache.dtype))
         v_cache = v_cache.at[layer, step.write_block, step.write_offset].set(as_stored(v, v_cache.dtype))
         attn = step.attention(
@@ -217,8 +276,9 @@ class Attention(nnx.Module):
             b.block_tables,
             b.query_start,
             b.num_seqs,
-            sm_scale=c.head_dim**-0.5,
-            sliding_window=c.sliding_window,
+            sm_scale=(c.query_pre_attn_scalar or c.head_dim) ** -0.5,
+            sliding_window=step.window(layer),
+            logits_soft_cap=c.attn_logit_softcap,
         )
         out = step.matmul("o", self.o, attn.reshape(num_tokens, q_size).astype(x.dtype), layer)
         return out, k_cache, v_cache
@@ -236,19 +296,24 @@ class GatedMLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP blocks, each with a norm of its output too where the config says (Gemma)."""
+
     def __init__(self, config: ModelConfig, dtype) -> None:
-        d, eps = config.hidden_size, config.rms_norm_eps
-        self.attn_norm = RMSNorm(d, eps, dtype, EMBED)
+        d, post = config.hidden_size, config.post_norms
+        self.attn_norm = _norm(config, d, dtype, EMBED)
         self.attn = Attention(config, dtype)
-        self.mlp_norm = RMSNorm(d, eps, dtype, EMBED)
+        self.attn_post_norm = _norm(config, d, dtype, EMBED) if post else None
+        self.mlp_norm = _norm(config, d, dtype, EMBED)
         self.mlp = GatedMLP(config, dtype)
+        self.mlp_post_norm = _norm(config, d, dtype, EMBED) if post else None
 
     def __call__(
         self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, step: StepContext
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         h, k_cache, v_cache = self.attn(self.attn_norm(x), k_cache, v_cache, layer, step)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x), layer, step), k_cache, v_cache
+        x = x + (h if self.attn_post_norm is None else self.attn_post_norm(h))
+        h = self.mlp(self.mlp_norm(x), layer, step)
+        return x + (h if self.mlp_post_norm is None else self.mlp_post_norm(h)), k_cache, v_cache
 
 
 def _layer_stack(config: ModelConfig, dtype) -> DecoderLayer:
@@ -266,9 +331,9 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype=jnp.float32) -> None:
         c = self.config = config
-        self.embed = Embedding(c.vocab_size, c.hidden_size, dtype)
+        self.embed = Embedding(c.vocab_size, c.hidden_size, dtype, scaled=c.embed_scale)
         self.layers = _layer_stack(c, dtype)
-        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, EMBED)
+        self.final_norm = _norm(c, c.hidden_size, dtype, EMBED)
         tied = c.tie_word_embeddings
         self.lm_head = None if tied else _weight((c.hidden_size, c.vocab_size), dtype, (EMBED, VOCAB))
 
@@ -297,9 +362,16 @@ class CausalLM(nnx.Module):
         c = self.config
         dtype = self.final_norm.weight[...].dtype
         block_size = kv_cache.k.shape[2]
+        local_rotation = None
+        if c.local_rope_theta is not None:
+            local = replace(c, rope_theta=c.local_rope_theta, rope_scaling=None)
+            local_rotation = cos_sin(batch.positions, local, dtype, batch.rope_lengths)
         step = StepContext(
+            c,
             batch,
             *cos_sin(batch.positions, c, dtype, batch.rope_lengths),
+            local_rotation,
+            None if c.sliding_layers is None else jnp.asarray(c.sliding_layers),
             batch.slot_mapping // block_size,
             batch.slot_mapping % block_size,
             batch.query_start[batch.num_seqs[0]],
@@ -319,10 +391,13 @@ class CausalLM(nnx.Module):
         return x, KVCache(k_cache, v_cache)
 
     def logits(self, x: jax.Array, rows: jax.Array, products: MatrixProducts = STACKED) -> jax.Array:
-        """float32 logits [R, V] of hidden states x [R, D]; rows past `rows` are padding (may be zero)."""
+        """float32 logits [R, V] of hidden states x [R, D], soft-capped where the config says (Gemma 2); rows past
+        `rows` are padding (may be zero)."""
         tied = self.lm_head is None
         head = self.embed.weight[...] if tied else self.lm_head[...]
-        return products.lm_head(head, self.final_norm(x), rows, tied=tied)
+        logits = products.lm_head(head, self.final_norm(x), rows, tied=tied)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 @functools.lru_cache(maxsize=32)

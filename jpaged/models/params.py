@@ -63,7 +63,7 @@ def param_stats(params: dict) -> tuple[int, int]:
 
 
 def random_params(config: ModelConfig, seed: int = 0, dtype=np.float32, std: float = 0.02) -> dict:
-    """Freshly initialised weights for `config` (normal with `std`, norms at one, biases at zero), built through
+    """Freshly initialised weights for `config` (normal with `std`, norms the identity, biases at zero), built through
     the same path as loaded ones: for research code that trains from scratch, demos and tests."""
     rng = np.random.default_rng(seed)
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -89,10 +89,8 @@ def random_params(config: ModelConfig, seed: int = 0, dtype=np.float32, std: flo
 
     def get(name: str) -> np.ndarray:
         leaf = ".".join(name.split(".")[-2:])
-        if leaf.endswith("norm.weight") and leaf not in shapes:  # input/post-attention/final norms
-            return np.ones(d, np.float32)
-        if leaf.endswith("norm.weight"):
-            return np.ones(shapes[leaf], np.float32)
+        if leaf.endswith("norm.weight"):  # the identity: (offset + w) = 1
+            return np.full(shapes.get(leaf, (d,)), 1.0 - config.norm_offset, np.float32)
         if leaf.endswith(".bias"):
             return np.zeros(shapes[leaf], np.float32)
         return (rng.standard_normal(shapes[leaf]) * std).astype(np.float32)

@@ -91,7 +91,11 @@ class ModelRunner:
         self.mesh = tensor_parallel_mesh(tp, loaded_config) if tp > 1 else None
         # Tensor parallelism keeps XLA's dots (the CPU matmul kernel sees whole matrices) on fused columns
         # grouped per shard.
-        self.products = products = StackedProducts(model_config, tp) if self.mesh else choose_products(params)
+        self.products = products = (
+            StackedProducts(model_config, tp)
+            if self.mesh
+            else choose_products(params, activation=model_config.hidden_activation)
+        )
         shardings = param_shardings(self.mesh, model_config) if self.mesh else None
         self.weights = WeightPlacement(products, loaded_config, kv_head_copies(tp, loaded_config), shardings)
         self.params = _in_huge_pages(self.weights.place(params), "weights")

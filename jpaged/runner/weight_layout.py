@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jpaged.models.llama import LAYER_MATRICES, STACKED, MatrixProducts, params_dtype, silu_and_mul
+from jpaged.models.llama import LAYER_MATRICES, STACKED, MatrixProducts, act_and_mul, params_dtype
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
@@ -41,9 +41,11 @@ class PanelProducts:
     fused_groups: int = 1
 
     @classmethod
-    def for_params(cls, params: dict) -> PanelProducts:
+    def for_params(cls, params: dict, activation: str = "silu") -> PanelProducts:
+        """The panels of these params; the kernel's gated form computes SiLU only, so another `activation`
+        (Gemma's) takes the unfused product."""
         widths = tuple((name, _at(params["layers"], path).shape[-1]) for name, path in LAYER_MATRICES.items())
-        gated_form = cpu_matmul.gated_packs(dict(widths)["gate_up"])
+        gated_form = activation == "silu" and cpu_matmul.gated_packs(dict(widths)["gate_up"])
         return cls(widths, params["embed"]["weight"].shape[0], "lm_head" not in params, gated_form)
 
     def layout(self, params: dict) -> dict:
@@ -65,10 +67,12 @@ class PanelProducts:
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
         return cpu_matmul.matmul(x, weight, dict(self.widths)[name], layer=layer, rows=rows)
 
-    def gated(self, weight, x, layer, rows, sizes) -> jax.Array:
+    def gated(self, weight, x, layer, rows, sizes, activation) -> jax.Array:
         if self.gated_form:
             return cpu_matmul.gated_matmul(x, weight, sizes[0], layer=layer, rows=rows)
-        return silu_and_mul(self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups)
+        return act_and_mul(
+            self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups, activation
+        )
 
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         return cpu_matmul.matmul(h, weight, self.vocab_size, rows=rows, out_dtype=jax.numpy.float32)
@@ -80,15 +84,16 @@ def _at(tree: dict, path) -> dict:
     return tree
 
 
-def choose_products(params: dict, layout: str = "auto") -> MatrixProducts:
-    """The products for these params (arrays or ShapeDtypeStructs): `auto` takes the CPU kernel's panels where
-    the backend is the CPU and the kernel builds and takes the dtype, else the stacks; `stacked` and `panels`
-    force one (tests and benchmarks compare them)."""
+def choose_products(params: dict, layout: str = "auto", *, activation: str) -> MatrixProducts:
+    """The products for these params (arrays or ShapeDtypeStructs) of a model whose MLP takes `activation`
+    (ModelConfig.hidden_activation): `auto` takes the CPU kernel's panels where the backend is the CPU and the
+    kernel builds and takes the dtype, else the stacks; `stacked` and `panels` force one (tests and benchmarks
+    compare them)."""
     if layout == "auto":
         on_cpu = jax.default_backend() == "cpu"
         layout = "panels" if on_cpu and cpu_matmul.supports(params_dtype(params)) else "stacked"
     if layout == "panels":
-        return PanelProducts.for_params(params)
+        return PanelProducts.for_params(params, activation)
     if layout == "stacked":
         return STACKED
     raise ValueError(f"layout must be 'auto', 'stacked' or 'panels', got {layout!r}")

@@ -1,0 +1,75 @@
+"""Gemma 2 (Gemma2ForCausalLM): GeGLU (tanh GELU), RMSNorm scaling by (1 + w), embeddings times sqrt(hidden), a
+norm after attention and after the MLP as well as before, soft-capped attention scores and final logits, attention
+scaled by `query_pre_attn_scalar`, and sliding-window layers alternating with global ones (`layer_types`).
+Gemma 3 (gemma3.py) builds on these."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from jpaged.models.families.family import LAYER, Family, llama_checkpoint
+
+if TYPE_CHECKING:
+    from jpaged.models.config import ModelConfig
+    from jpaged.models.params import LeafRecipe
+
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}  # transformers' names -> ModelConfig.hidden_activation
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def gemma_features(hf: Mapping[str, Any], sliding_pattern: int, soft_caps: tuple) -> dict[str, Any]:
+    """What Gemma 2 and 3 share. A config without `layer_types` has every `sliding_pattern`-th layer global (as
+    transformers fills it in); `soft_caps` are the (attention, final) caps a config without them means."""
+    activation = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(
+            f"unsupported hidden_activation {activation!r} for Gemma; supported: gelu_pytorch_tanh"
+        )
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(
+            "use_bidirectional_attention (an embedding Gemma) is not a causal LM jpaged generates with"
+        )
+    pattern = hf.get("sliding_window_pattern", sliding_pattern)
+    count = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(count)
+    ]
+    unknown = sorted(set(types) - set(_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; supported: {', '.join(_LAYER_TYPES)}")
+    window = hf.get("sliding_window")
+    return dict(
+        sliding_window=window,
+        sliding_layers=tuple(t == "sliding_attention" for t in types) if window else None,
+        norm_offset=1.0,
+        hidden_activation=_ACTIVATIONS[activation],
+        embed_scale=True,
+        post_norms=True,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcap=hf.get("attn_logit_softcapping", soft_caps[0]),
+        final_logit_softcap=hf.get("final_logit_softcapping", soft_caps[1]),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
+
+
+def gemma_checkpoint(config: ModelConfig) -> dict[str, LeafRecipe]:
+    """Llama's names, but transformers' Gemma `post_attention_layernorm` is the norm of attention's output; the
+    MLP's input norm is `pre_feedforward_layernorm`."""
+    from jpaged.models.params import LeafRecipe
+
+    recipes = llama_checkpoint(config)
+    recipes["layers/attn_post_norm/weight"] = LeafRecipe((LAYER + "post_attention_layernorm.weight",))
+    recipes["layers/mlp_norm/weight"] = LeafRecipe((LAYER + "pre_feedforward_layernorm.weight",))
+    recipes["layers/mlp_post_norm/weight"] = LeafRecipe((LAYER + "post_feedforward_layernorm.weight",))
+    return recipes
+
+
+FAMILY = Family(
+    model_type="gemma2",
+    architectures=("Gemma2ForCausalLM",),
+    special="GeGLU; (1 + w) RMSNorm before and after attention and MLP; scaled embeddings; attention and final "
+    "logit soft-capping; query_pre_attn_scalar; sliding-window layers alternating with global ones",
+    features=lambda hf: gemma_features(hf, sliding_pattern=2, soft_caps=(50.0, 30.0)),
+    checkpoint=gemma_checkpoint,
+)
