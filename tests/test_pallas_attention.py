@@ -341,6 +341,8 @@ def test_split_kv_decode_matches_float64_numpy(cfg, num_splits):
 STACKED = {
     "reference": paged_attention_stacked,
     "cpu": cpu.ragged_paged_attention_stacked,
+    "gpu": functools.partial(gpu.ragged_paged_attention_stacked, interpret=True),
+    "tpu": functools.partial(tpu.ragged_paged_attention_stacked, interpret=True),
 }
 WINDOW = 20
 LAYER_WINDOWS = (WINDOW, 0, WINDOW)  # 0: a global layer

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
@@ -26,8 +27,14 @@ BLOCK_SIZE = 16
 BUCKETS = {"decode": (256, 256), "decode-few": (8, 8), "prefill": (2048, 8)}
 MAX_MODEL_LEN = 4096
 # (query heads, KV heads, head dim) of models the engine serves; TPU needs tileable KV head counts.
-GPU_MODELS = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128), "phi2": (32, 32, 80)}
-TPU_MODELS = {"qwen2.5-0.5b": (14, 2, 64), "llama3-8b": (32, 8, 128)}
+GEMMA2_2B = (8, 4, 256)
+GPU_MODELS = {
+    "smollm2-135m": (9, 3, 64),
+    "llama3-8b": (32, 8, 128),
+    "phi2": (32, 32, 80),
+    "gemma2-2b": GEMMA2_2B,
+}
+TPU_MODELS = {"qwen2.5-0.5b": (14, 2, 64), "llama3-8b": (32, 8, 128), "gemma2-2b": GEMMA2_2B}
 
 
 def step_shapes(bucket: str, heads: tuple[int, int, int], dtype) -> list[jax.ShapeDtypeStruct]:
@@ -77,6 +84,31 @@ def test_stacked_cache_kernels_lower_with_a_traced_layer_index(module, platform,
     layer = jax.ShapeDtypeStruct((), jnp.int32)
     fn = functools.partial(module.ragged_paged_attention_stacked, sm_scale=0.125)
     assert call in export_text(fn, platform, [q, stacked_cache, stacked_cache, layer, *metadata])
+
+
+@pytest.mark.parametrize(
+    ("module", "platform", "call"),
+    [(gpu, "cuda", TRITON_CALL), (tpu, "tpu", MOSAIC_TPU_CALL)],
+    ids=["gpu", "tpu"],
+)
+@pytest.mark.parametrize("bucket", ["decode", "prefill"])
+def test_one_kernel_serves_every_layer_of_a_scan_with_windows_as_data(module, platform, call, bucket):
+    """Gemma's layers: each one's window (<= 0: global) indexed from an array inside the scan over the layers, so
+    the step holds one attention kernel, not one per kind of layer; head_dim 256."""
+    q, k_pages, v_pages, *metadata = step_shapes(bucket, GEMMA2_2B, jnp.bfloat16)
+    num_layers = 4
+    stacked_cache = jax.ShapeDtypeStruct((num_layers, *k_pages.shape), k_pages.dtype)
+    windows = jax.ShapeDtypeStruct((num_layers,), jnp.int32)
+    attend = functools.partial(module.ragged_paged_attention_stacked, sm_scale=0.0625, logits_soft_cap=50.0)
+
+    def all_layers(q, k_cache, v_cache, windows, *metadata):
+        def layer(x, i):
+            return attend(x, k_cache, v_cache, i, *metadata, sliding_window=windows[i]), None
+
+        return lax.scan(layer, q, jnp.arange(num_layers, dtype=jnp.int32))[0]
+
+    text = export_text(all_layers, platform, [q, stacked_cache, stacked_cache, windows, *metadata])
+    assert text.count(f"custom_call @{call}(") == 1
 
 
 def test_gpu_kernel_with_a_non_power_of_two_tile_is_rejected_at_lowering():

@@ -66,6 +66,12 @@ def window_operand(sliding_window) -> jax.Array:
     return jnp.asarray(sliding_window, jnp.int32).reshape(1)
 
 
+def unbounded_if_none(window: jax.Array) -> jax.Array:
+    """A kernel's window from the operand's value: one no key reaches past when it is <= 0 (no window), so the
+    window's bounds and masks need no branch on it."""
+    return jnp.where(window > 0, window, jnp.int32(1 << 30))
+
+
 def find_tile_sequence(query_start_ref, tile, num_seqs, tile_tokens: int, search_steps: int):
     """Largest s < num_seqs whose first tile (`query_start[s] // tile_tokens + s`) is <= `tile`.
 

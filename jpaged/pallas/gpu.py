@@ -32,7 +32,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jpaged.pallas.common import NEG_INF, check_inputs, find_tile_sequence, over_pages
+from jpaged.pallas.common import (
+    NEG_INF,
+    check_inputs,
+    find_tile_sequence,
+    over_pages,
+    unbounded_if_none,
+    window_operand,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +78,7 @@ def choose_num_splits(num_tokens: int, num_seq_slots: int, num_kv_heads: int, ma
 
 def _kernel(
     layer_ref,  # [1]
+    window_ref,  # [1], <= 0: no window (read only when `windowed`)
     kv_lens_ref,  # [S]
     block_tables_ref,  # [S, P]
     query_start_ref,  # [S + 1]
@@ -80,7 +88,7 @@ def _kernel(
     v_ref,  # [L, N, B, D]
     *outputs,
     sm_scale: float,
-    sliding_window: int | None,
+    windowed: bool,
     soft_cap: float | None,
     tiling: GpuTiling,
     group: int,
@@ -127,8 +135,9 @@ def _kernel(
             kv_len - q_len + jnp.minimum(first_token + tile_tokens, q_len)
         )  # one past the last visible key
         kv_begin = jnp.int32(0)
-        if sliding_window is not None:
-            kv_begin = jnp.maximum(kv_len - q_len + first_token - sliding_window + 1, 0)
+        if windowed:
+            window = unbounded_if_none(window_ref[0])
+            kv_begin = jnp.maximum(kv_len - q_len + first_token - window + 1, 0)
         kv_begin = kv_begin // block_size * block_size
         num_steps = pl.cdiv(kv_end - kv_begin, kv_tokens)
         precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # DEFAULT would mean TF32
@@ -151,8 +160,8 @@ def _kernel(
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
-            if sliding_window is not None:
-                visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            if windowed:
+                visible &= k_pos[None, :] > q_pos[:, None] - window
             scores = jnp.where(visible, scores, NEG_INF)
             m_new = jnp.maximum(m, jnp.max(scores, axis=1))
             p = jnp.where(visible, jnp.exp(scores - m_new[:, None]), 0.0)
@@ -200,7 +209,7 @@ def ragged_paged_attention_stacked(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
     interpret: bool = False,
     tiling: GpuTiling | None = None,
@@ -230,7 +239,7 @@ def ragged_paged_attention_stacked(
     kernel = functools.partial(
         _kernel,
         sm_scale=float(sm_scale),
-        sliding_window=sliding_window,
+        windowed=sliding_window is not None,
         soft_cap=logits_soft_cap,
         tiling=tiling,
         group=group,
@@ -251,7 +260,15 @@ def ragged_paged_attention_stacked(
     kv_spec = pl.BlockSpec(
         (num_layers, num_blocks, block_size, None, head_dim), lambda h, t, k: (0, 0, 0, h, 0)
     )
-    metadata = (jnp.reshape(layer, (1,)).astype(jnp.int32), kv_lens, block_tables, query_start, num_seqs)
+    window = jnp.zeros((1,), jnp.int32) if sliding_window is None else window_operand(sliding_window)
+    metadata = (
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        window,
+        kv_lens,
+        block_tables,
+        query_start,
+        num_seqs,
+    )
     inputs = (*metadata, padded_q, k_cache, v_cache, *initial)
     first_initial = len(inputs) - len(initial)
     results = pl.pallas_call(

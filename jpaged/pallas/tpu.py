@@ -27,7 +27,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jpaged.pallas.common import NEG_INF, check_inputs, find_tile_sequence, over_pages
+from jpaged.pallas.common import (
+    NEG_INF,
+    check_inputs,
+    find_tile_sequence,
+    over_pages,
+    unbounded_if_none,
+    window_operand,
+)
 
 _LANES = 128
 DECODE_TILE_TOKENS = 8
@@ -99,6 +106,7 @@ def _take_head(buf, slot, head: int, interpret: bool) -> jax.Array:
 def _kernel(
     # scalar prefetch (SMEM)
     layer_ref,  # [1]
+    window_ref,  # [1], <= 0: no window (read only when `windowed`)
     kv_lens_ref,  # [S]
     tables_ref,  # [S * P]
     query_start_ref,  # [S + 1]
@@ -122,7 +130,7 @@ def _kernel(
     io_sem,  # DMA
     *,
     sm_scale: float,
-    sliding_window: int | None,
+    windowed: bool,
     soft_cap: float | None,
     table_width: int,
     search_steps: int,
@@ -154,10 +162,9 @@ def _kernel(
 
         kv_end = kv_len - q_len + jnp.minimum(first_token + tile_tokens, q_len)
         first_page = jnp.int32(0)
-        if sliding_window is not None:
-            first_page = lax.div(
-                jnp.maximum(kv_len - q_len + first_token - sliding_window + 1, 0), block_size
-            )
+        if windowed:
+            window = unbounded_if_none(window_ref[0])
+            first_page = lax.div(jnp.maximum(kv_len - q_len + first_token - window + 1, 0), block_size)
         num_pages = pl.cdiv(kv_len, block_size)
         num_steps = pl.cdiv(kv_end - first_page * block_size, kv_tokens)
 
@@ -202,8 +209,8 @@ def _kernel(
                 jnp.int32, (rows, kv_tokens), 1
             )
             visible = (k_pos <= q_pos) & (k_pos < kv_len)
-            if sliding_window is not None:
-                visible &= k_pos > q_pos - sliding_window
+            if windowed:
+                visible &= k_pos > q_pos - window
             v_rows = (first_page * block_size + step * kv_tokens) + lax.broadcasted_iota(
                 jnp.int32, (kv_tokens, head_dim), 0
             )
@@ -255,7 +262,7 @@ def ragged_paged_attention_stacked(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     tile_tokens: int | None = None,
@@ -295,6 +302,7 @@ def ragged_paged_attention_stacked(
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     scalars = (
         jnp.reshape(layer, (1,)).astype(jnp.int32),
+        jnp.zeros((1,), jnp.int32) if sliding_window is None else window_operand(sliding_window),
         kv_lens,
         block_tables.reshape(-1),  # 1-D: a 2-D SMEM array pads its rows
         query_start,
@@ -303,7 +311,7 @@ def ragged_paged_attention_stacked(
     kernel = functools.partial(
         _kernel,
         sm_scale=float(sm_scale),
-        sliding_window=sliding_window,
+        windowed=sliding_window is not None,
         soft_cap=logits_soft_cap,
         table_width=table_width,
         search_steps=max(1, int(num_seq_slots).bit_length()),
