@@ -43,7 +43,9 @@ def assert_same_as_one_device(runs: dict, tp: int, tolerance: float = 1e-5) -> N
     assert split["placed as laid out"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_bias", "qwen3_qk_norm", "phi3_partial_rotary"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2_bias", "qwen3_qk_norm", "phi3_partial_rotary", "gemma2", "gemma3"]
+)
 def test_two_and_four_devices_generate_as_one_and_hold_their_share(family, tiny_model_dir):
     runs = generate(str(tiny_model_dir(family)), 1, 2, 4, 3)
     assert_same_as_one_device(runs, 2)
