@@ -21,7 +21,17 @@ from jpaged.pallas.cpu import library
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
-SHAPES = [(1, 8, 1), (7, 40, 24), (16, 576, 960), (13, 1536, 576), (64, 100, 33), (512, 64, 50)]  # (M, K, N)
+# (M, K, N); K 2304 and 9216: Gemma 2 2B's hidden and MLP sizes
+SHAPES = [
+    (1, 8, 1),
+    (7, 40, 24),
+    (16, 576, 960),
+    (13, 1536, 576),
+    (64, 100, 33),
+    (512, 64, 50),
+    (5, 2304, 40),
+]
+SHAPES += [(3, 9216, 24)]
 
 
 def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
