@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,25 +12,6 @@ import numpy as np
 from jpaged.models.config import ModelConfig
 from jpaged.models.families import family_of
 from jpaged.models.params import GetTensor
-
-_GGUF_TO_HF = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_TO_HF = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 
 def read_hf_config(model_dir: Path) -> ModelConfig:
@@ -97,40 +77,43 @@ def safetensors_slicer(model_dir: Path) -> Callable[[str], Any]:
 
 
 def gguf_reader(path: Path, config: ModelConfig) -> GetTensor:
-    """Dequantised GGUF tensors under transformers' names, with llama.cpp's Q/K row permutation undone."""
+    """Dequantised GGUF tensors under transformers' names, as llama.cpp's converter wrote them undone: its Q/K row
+    permutation (llama) and its norm weights stored as (norm_offset + w) (Gemma). gguf's own tensor-name map for the
+    file's architecture names each transformers tensor, so a family's checkpoint names (Gemma's
+    `pre_feedforward_layernorm`, Phi-3's fused `qkv_proj`) find their GGUF tensors without a table here."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    tensors = {}
-    for tensor in GGUFReader(str(path)).tensors:
-        hf_name = _hf_name(tensor.name)
-        if hf_name is not None:
-            tensors[hf_name] = tensor
+    reader = GGUFReader(str(path))
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    names = _gguf_name_map(reader.fields["general.architecture"].contents(), config.num_layers)
+    permutes_qk = family_of(config.architecture).gguf_permutes_qk
 
     def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise ValueError(f"weight {name!r} missing from {path}")
-        tensor = tensors[name]
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name not in tensors:
+            raise ValueError(f"weight {name!r} ({gguf_name or 'no GGUF name'}) missing from {path}")
+        tensor = tensors[gguf_name]
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        # llama.cpp permutes Q/K rows for its interleaved RoPE on the llama architecture only.
-        if family_of(config.architecture).gguf_permutes_qk and name.endswith(
-            ("q_proj.weight", "k_proj.weight")
-        ):
+        if permutes_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             array = _unpermute_rows(array, heads)
+        if config.norm_offset and name.endswith("norm.weight"):
+            array = array - np.float32(config.norm_offset)
         return array
 
     return get
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GGUF_TO_HF:
-        return _GGUF_TO_HF[gguf_name]
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if match is None or match.group(2) not in _GGUF_LAYER_TO_HF:
-        return None
-    return f"model.layers.{match.group(1)}.{_GGUF_LAYER_TO_HF[match.group(2)]}.{match.group(3)}"
+def _gguf_name_map(architecture: str, num_layers: int):
+    """gguf's map from transformers' tensor names to llama.cpp's for one architecture."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
+    if arch is None:
+        raise ValueError(f"GGUF architecture {architecture!r} is unknown to the installed gguf library")
+    return get_tensor_name_map(arch, num_layers)
 
 
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,0 +1,156 @@
+"""A GGUF of Phi-3, Gemma 2 or Gemma 3 written as llama.cpp's converter writes one (gguf's own tensor names, Gemma's
+norms stored as 1 + w, F32 vectors and Q8_0 matrices) loads into the params transformers' own GGUF loading reads,
+and into the config of the model it was converted from, less what a GGUF does not hold."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_loaders import assert_same_params
+
+from jpaged.models.config import ModelConfig
+from jpaged.models.loader import load_model
+from jpaged.models.params import params_from_hf_names
+
+# tiny_model_dir's family -> llama.cpp's `general.architecture`
+GGUF_ARCHITECTURES = {"phi3": "phi3", "phi3_longrope": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
+# What transformers' GGUF config reading leaves at its config class's defaults (it maps fewer keys than
+# llama.cpp writes); jpaged reads these as llama.cpp does.
+TRANSFORMERS_DROPS = {
+    "phi3": {"sliding_window"},
+    "gemma2": {"query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"},
+    "gemma3": {"query_pre_attn_scalar", "sliding_layers", "local_rope_theta", "rope_scaling"},
+}
+
+
+@pytest.fixture
+def gguf_of(tiny_model_dir, default_gguf, tmp_path, monkeypatch):
+    """family -> a GGUF converted from tiny_model_dir(family), with the default model's tokenizer."""
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(tmp_path / "cache"))
+
+    def make(family: str) -> Path:
+        path = tmp_path / f"{family}.gguf"
+        write_gguf(tiny_model_dir(family), path, GGUF_ARCHITECTURES[family], default_gguf)
+        return path
+
+    return make
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3"])
+def test_gguf_params_equal_transformers_gguf_loading(family, gguf_of, tiny_model_dir):
+    import torch
+    import transformers
+
+    path = gguf_of(family)
+    ours = load_model(str(path), progress=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    state = {k: v.numpy() for k, v in reference.state_dict().items()}
+    assert_same_params(ours.params, params_from_hf_names(ours.config, state.__getitem__, np.float32))
+
+    source = ModelConfig.from_hf_config(json.loads((tiny_model_dir(family) / "config.json").read_text()))
+    # GGUF's float32 epsilon, and the ids of the tokenizer it was given
+    source = dataclasses.replace(
+        source, rms_norm_eps=float(np.float32(source.rms_norm_eps)), bos_token_id=1, eos_token_ids=(2,)
+    )
+    if family.startswith("gemma"):  # not in a GGUF: llama.cpp takes head_dim below 27B
+        source = dataclasses.replace(source, query_pre_attn_scalar=float(source.head_dim))
+    assert ours.config == source
+
+    theirs = ModelConfig.from_hf_config(reference.config.to_dict())
+    differ = {
+        f.name
+        for f in dataclasses.fields(ModelConfig)
+        if getattr(ours.config, f.name) != getattr(theirs, f.name)
+    }
+    assert differ == TRANSFORMERS_DROPS[family]
+
+
+def test_a_phi3_gguf_with_longrope_factors_is_refused(gguf_of):
+    with pytest.raises(ValueError, match="LongRoPE"):
+        load_model(str(gguf_of("phi3_longrope")), progress=False)
+
+
+_TOKENS = (
+    256  # of the default tokenizer's, without merges: a whole vocabulary takes seconds to read and write
+)
+
+
+def write_gguf(model_dir: Path, path: Path, arch: str, tokenizer_gguf: Path) -> None:
+    """A small llama.cpp converter: the model's safetensors under gguf's names for `arch` and llama.cpp's metadata
+    keys for it, with the first tokens of `tokenizer_gguf`'s vocabulary as its tokenizer (bos 1, eos 2)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    hf = json.loads((model_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_metadata(writer, arch, hf)
+    tokenizer = gguf.GGUFReader(str(tokenizer_gguf)).fields
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokenizer["tokenizer.ggml.tokens"].contents(slice(0, _TOKENS)))
+    writer.add_token_types(tokenizer["tokenizer.ggml.token_type"].contents(slice(0, _TOKENS)))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), 8)
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        tensor = tensor.astype(np.float32)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            tensor = tensor + 1  # llama.cpp's Gemma converter
+        if tensor.ndim == 2 and tensor.shape[-1] % 32 == 0:
+            quantized = gguf.quants.quantize(tensor, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, tensor)
+    scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if scaling.get("long_factor"):  # llama.cpp's Phi-3 LongRoPE
+        writer.add_tensor("rope_factors_long.weight", np.asarray(scaling["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(scaling["short_factor"], np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_metadata(writer, arch: str, hf: dict) -> None:
+    import gguf
+
+    writer.add_vocab_size(hf["vocab_size"])
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
+    if arch == "phi3":
+        head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_rope_scaling_orig_ctx_len(hf["original_max_position_embeddings"])
+        writer.add_sliding_window(hf.get("sliding_window") or 0)
+        return
+    writer.add_key_length(hf["head_dim"])
+    writer.add_value_length(hf["head_dim"])
+    writer.add_sliding_window(hf["sliding_window"])
+    if arch == "gemma2":
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_attn_logit_softcapping(hf["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(hf["final_logit_softcapping"])
+        return
+    full, local = rope["full_attention"], rope["sliding_attention"]
+    writer.add_rope_freq_base(full["rope_theta"])
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    # Keys llama.cpp reads for other interleaved-window architectures; its Gemma 3 assumes 10000 and 5:1.
+    writer.add_rope_freq_base_swa(local["rope_theta"])
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in hf["layer_types"]])
