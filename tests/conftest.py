@@ -112,6 +112,24 @@ TINY_FAMILIES = {
             },
         ),
     ),
+    # Gemma 3 4B-27B's form: that text model inside an image-text one (a one-layer vision tower, never read).
+    "gemma3_image_text": (
+        "Gemma3Config",
+        dict(
+            text_config=dict(
+                TINY, head_dim=32, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2
+            ),
+            vision_config=dict(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+            mm_tokens_per_image=4,
+        ),
+    ),
 }
 PRE_NNX_FAMILIES = ("llama", "llama3_rope", "mistral_sliding", "qwen2_bias", "qwen3_qk_norm", "smollm2_tied")
 

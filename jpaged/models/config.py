@@ -106,6 +106,8 @@ class ModelConfig:
 
         model_type = hf.get("model_type", "")
         family = family_of(model_type, hf.get("architectures"))
+        if family.text_model is not None:
+            hf = family.text_model(hf)
         num_heads = hf["num_attention_heads"]
         rope = dict(hf.get("rope_parameters") or {})
         rope = dict(rope.get("full_attention", rope))  # per layer type (Gemma 3): the global layers' RoPE

@@ -3,11 +3,12 @@ declares). Adding a family is its module and one line here; README's family tabl
 
 from __future__ import annotations
 
-from jpaged.models.families import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
+from jpaged.models.families import gemma2, gemma3, gemma3_image_text, llama, mistral, phi3, qwen2, qwen3
 from jpaged.models.families.family import Family
 
 FAMILIES: dict[str, Family] = {
-    module.FAMILY.model_type: module.FAMILY for module in (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3)
+    module.FAMILY.model_type: module.FAMILY
+    for module in (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, gemma3_image_text)
 }
 
 

@@ -28,6 +28,8 @@ class Family:
     rope_aliases: tuple[
         tuple[str, str], ...
     ] = ()  # (the config's rope type, the one it means) for this family
+    # A multimodal checkpoint's config.json -> its text model's, which the rest reads (the model served for text).
+    text_model: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     gguf_architecture: str | None = None  # llama.cpp's `general.architecture`, where jpaged reads its GGUF
     gguf_permutes_qk: bool = False  # llama.cpp permuted the Q/K rows for its interleaved RoPE
 
