@@ -90,6 +90,9 @@ CONFIGS = [
     Config("cpu", "bfloat16", 16, 3, 3, 64, PREFILL),
     Config("cpu", "bfloat16", 8, 2, 1, 32, PREFILL),
     Config("cpu", "bfloat16", 32, 1, 8, 96, PREFILL),
+    # Gemma's head size on both: Gemma 2 2B's heads (pairs) decoding, Gemma 3 1B's (four a KV head) in prefill
+    Config("cpu", "bfloat16", 16, 2, 2, 256, DECODE),
+    Config("cpu", "bfloat16", 16, 1, 4, 256, PREFILL),
     GPU_F32,
     Config("gpu", "float32", 32, 3, 3, 32, DECODE),
     Config("gpu", "float32", 16, 2, 1, 24, PREFILL, sliding_window=40),  # D=24: lanes padded to 32

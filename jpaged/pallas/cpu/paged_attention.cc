@@ -600,7 +600,8 @@ template <int DW>
 bool RowOnWords(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int seq,
                 int num_keys, std::vector<float>& scratch) {
   if (p.group % 3 == 0 && DW <= 2) return AttendRowOnWords<DW, 3>(p, q, k, v, out, seq, num_keys, scratch);
-  if (p.group % 2 == 0) return AttendRowOnWords<DW, 2>(p, q, k, v, out, seq, num_keys, scratch);
+  // Two heads' accumulators of D = 256 (2 x 16 registers) and the value pairs (16) would not fit in 32 registers.
+  if (p.group % 2 == 0 && DW <= 4) return AttendRowOnWords<DW, 2>(p, q, k, v, out, seq, num_keys, scratch);
   return AttendRowOnWords<DW, 1>(p, q, k, v, out, seq, num_keys, scratch);
 }
 #endif
@@ -617,7 +618,8 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
   const int last_pos = first_pos + item.rows - 1;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same<T, uint16_t>::value) {
-    if (p.window <= 0 && p.soft_cap == 0.0f && B % 2 == 0 && D % 32 == 0 && D <= 128) {
+    // D of 32 to 128 words, and 256 (Gemma's heads); 160 to 224 take the float path.
+    if (p.window <= 0 && p.soft_cap == 0.0f && B % 2 == 0 && D % 32 == 0 && (D <= 128 || D == 256)) {
       const int64_t at = static_cast<int64_t>(q_start + item.row0) * Hk * G * D;
       auto row = [&](auto dw) {
         constexpr int DW = decltype(dw)::value;
@@ -629,7 +631,8 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
         case 1: return row(std::integral_constant<int, 1>{});
         case 2: return row(std::integral_constant<int, 2>{});
         case 3: return row(std::integral_constant<int, 3>{});
-        default: return row(std::integral_constant<int, 4>{});
+        case 4: return row(std::integral_constant<int, 4>{});
+        default: return row(std::integral_constant<int, 8>{});
       }
     }
   }
