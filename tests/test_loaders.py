@@ -99,8 +99,9 @@ def test_lazy_weights_read_what_the_whole_arrays_hold_at_any_part(family, tiny_m
             np.testing.assert_array_equal(weight[index], whole[index], err_msg=name)
 
 
-def test_orbax_checkpoint_round_trip(tiny_model_dir, tmp_path):
-    source = load_model(str(tiny_model_dir("qwen3_qk_norm")), progress=False)
+@pytest.mark.parametrize("family", ["qwen3_qk_norm", "gemma3"])
+def test_orbax_checkpoint_round_trip(family, tiny_model_dir, tmp_path):
+    source = load_model(str(tiny_model_dir(family)), progress=False)
     save_checkpoint(tmp_path / "ckpt", source.config, source.params, source.tokenizer)
     assert resolve_model(str(tmp_path / "ckpt")).kind == "orbax"
     restored = load_model(str(tmp_path / "ckpt"), progress=False)
