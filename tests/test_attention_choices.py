@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jpaged.pallas import gpu, resolve_attention_impl, tpu
@@ -82,11 +83,12 @@ def test_bad_input_raises_value_error_naming_the_field(module, field, bad_value,
 )
 @pytest.mark.parametrize(
     "window",
-    [0, -3, 2.5, jnp.float32(4), jnp.array([4, 4], jnp.int32)],
-    ids=["0", "-3", "float", "f32", "int32x2"],
+    [0, -3, np.int64(0), 2.5, jnp.float32(4), jnp.array([4, 4], jnp.int32)],
+    ids=["0", "-3", "numpy-0", "float", "f32", "int32x2"],
 )
 def test_a_window_is_a_positive_int_or_an_int32_scalar_array(attention, window):
-    """A Python int is checked at trace time; an array's value is data (<= 0: none), so only its type is checked."""
+    """A Python or numpy int is checked at trace time; an array's value is data (<= 0: none), so only its type is
+    checked."""
     with pytest.raises(ValueError, match="sliding_window"):
         attention(*_valid_inputs().values(), sm_scale=1.0, interpret=True, sliding_window=window)
 

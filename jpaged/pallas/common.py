@@ -47,16 +47,17 @@ def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_se
 
 
 def check_window(sliding_window) -> None:
-    """A window is None, a positive Python int, or an int32 array of one element (any value; <= 0: none)."""
+    """A window is None, a positive int (Python's or a numpy scalar, as a config may hold), or an int32 array of one
+    element, possibly traced (any value; <= 0: none)."""
     if sliding_window is None:
         return
-    if isinstance(sliding_window, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic):
+    if isinstance(sliding_window, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
         if sliding_window.dtype != jnp.int32 or sliding_window.size != 1:
             raise ValueError(
                 "sliding_window must be a Python int or an int32 scalar array, got "
                 f"{sliding_window.dtype}{list(sliding_window.shape)}"
             )
-    elif not isinstance(sliding_window, int) or sliding_window <= 0:
+    elif not isinstance(sliding_window, int | np.integer) or sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
 
 
