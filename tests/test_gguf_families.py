@@ -1,10 +1,12 @@
 """A GGUF of Phi-3, Gemma 2 or Gemma 3 written as llama.cpp's converter writes one (gguf's own tensor names, Gemma's
 norms stored as 1 + w, F32 vectors and Q8_0 matrices) loads into the params transformers' own GGUF loading reads,
-and into the config of the model it was converted from, less what a GGUF does not hold."""
+and into the config of the model it was converted from, less what a GGUF does not hold; its SentencePiece vocabulary
+(the kind Phi-3's and Gemma's GGUFs carry) tokenizes as transformers' GGUF tokenizer does."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -29,12 +31,13 @@ TRANSFORMERS_DROPS = {
 
 @pytest.fixture
 def gguf_of(tiny_model_dir, default_gguf, tmp_path, monkeypatch):
-    """family -> a GGUF converted from tiny_model_dir(family), with the default model's tokenizer."""
+    """(family, vocabulary=the default model's first tokens) -> a GGUF converted from tiny_model_dir(family)."""
     monkeypatch.setenv("JPAGED_CACHE_DIR", str(tmp_path / "cache"))
 
-    def make(family: str) -> Path:
+    def make(family: str, vocabulary=None) -> Path:
         path = tmp_path / f"{family}.gguf"
-        write_gguf(tiny_model_dir(family), path, GGUF_ARCHITECTURES[family], default_gguf)
+        vocabulary = vocabulary or functools.partial(byte_level_vocabulary, default_gguf)
+        write_gguf(tiny_model_dir(family), path, GGUF_ARCHITECTURES[family], vocabulary)
         return path
 
     return make
@@ -76,27 +79,16 @@ def test_a_phi3_gguf_with_longrope_factors_is_refused(gguf_of):
         load_model(str(gguf_of("phi3_longrope")), progress=False)
 
 
-_TOKENS = (
-    256  # of the default tokenizer's, without merges: a whole vocabulary takes seconds to read and write
-)
-
-
-def write_gguf(model_dir: Path, path: Path, arch: str, tokenizer_gguf: Path) -> None:
+def write_gguf(model_dir: Path, path: Path, arch: str, vocabulary) -> None:
     """A small llama.cpp converter: the model's safetensors under gguf's names for `arch` and llama.cpp's metadata
-    keys for it, with the first tokens of `tokenizer_gguf`'s vocabulary as its tokenizer (bos 1, eos 2)."""
+    keys for it; `vocabulary(writer)` writes the tokenizer's."""
     import gguf
     from safetensors.numpy import load_file
 
     hf = json.loads((model_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, arch, hf)
-    tokenizer = gguf.GGUFReader(str(tokenizer_gguf)).fields
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokenizer["tokenizer.ggml.tokens"].contents(slice(0, _TOKENS)))
-    writer.add_token_types(tokenizer["tokenizer.ggml.token_type"].contents(slice(0, _TOKENS)))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-
+    vocabulary(writer)
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), 8)
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -154,3 +146,66 @@ def _write_metadata(writer, arch: str, hf: dict) -> None:
     # Keys llama.cpp reads for other interleaved-window architectures; its Gemma 3 assumes 10000 and 5:1.
     writer.add_rope_freq_base_swa(local["rope_theta"])
     writer.add_sliding_window_pattern([t == "sliding_attention" for t in hf["layer_types"]])
+
+
+def byte_level_vocabulary(tokenizer_gguf: Path, writer) -> None:
+    """The first 256 tokens of `tokenizer_gguf`'s byte-level vocabulary, without merges (a whole vocabulary takes
+    seconds to read and write); bos 1, eos 2."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(tokenizer_gguf)).fields
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(fields["tokenizer.ggml.tokens"].contents(slice(0, 256)))
+    writer.add_token_types(fields["tokenizer.ggml.token_type"].contents(slice(0, 256)))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def sentencepiece_vocabulary(writer) -> None:
+    """A small SentencePiece vocabulary as llama.cpp writes one (Phi-3's and Gemma's are): pieces with scores and no
+    merges, byte fallback tokens, control tokens for <unk>, <s>, </s> and a chat turn's end."""
+    pieces = [
+        "\u2581",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "\u2581h",
+        "ll",
+        "llo",
+        "\u2581he",
+        "\u2581hello",
+        "\u2581w",
+    ]
+    pieces += ["or", "\u2581wor", "\u2581world", "\u2581\u2581"]
+    tokens = ["<unk>", "<s>", "</s>", "<|end|>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * (4 + 256) + [-float(i) for i in range(len(pieces))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|end|>{% endfor %}")
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma2"])
+def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_gguf_tokenizer(family, gguf_of):
+    import transformers
+
+    path = gguf_of(family, sentencepiece_vocabulary)
+    ours = load_model(str(path), progress=False).tokenizer
+    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in ["hello world", " hello  world", "hello<|end|>world", "héllo wörld 😀", ""]:
+        assert ours.encode(text) == reference.encode(text), text
+        assert ours.decode(ours.encode(text)) == reference.decode(reference.encode(text)), text
+    messages = [{"role": "user", "content": "hello"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == reference.apply_chat_template(
+        messages, tokenize=False
+    )

@@ -144,13 +144,18 @@ def _family(arch: str) -> Family:
 
 
 def gguf_tokenizer(fields: dict[str, Any]):
-    """A fast byte-level BPE tokenizer (GPT-2 style: SmolLM2, Llama 3, Qwen) built from the GGUF vocabulary."""
+    """A fast tokenizer from the GGUF vocabulary: byte-level BPE ('gpt2': SmolLM2, Llama 3, Qwen, Phi-4) built here,
+    SentencePiece ('llama': Phi-3, Gemma 2/3) as transformers builds it."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = fields.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece_tokenizer(fields)
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' is)")
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' and SentencePiece 'llama' are)"
+        )
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
     # gguf writes no empty array: a vocabulary without merges has no merges key
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
@@ -182,3 +187,31 @@ def gguf_tokenizer(fields: dict[str, Any]):
         chat_template=fields.get("tokenizer.chat_template"),
         clean_up_tokenization_spaces=False,
     )
+
+
+def _sentencepiece_tokenizer(fields: dict[str, Any]):
+    """transformers' own builder for a GGUF's SentencePiece vocabulary, which imports no PyTorch: it rebuilds the
+    merges the file leaves out, and Phi-3's and Gemma's spellings by architecture (its module says why)."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError as err:
+        raise ValueError(
+            "a SentencePiece GGUF vocabulary ('llama') needs transformers' integrations.gguf (transformers 5)"
+        ) from err
+
+    def renamed(group: str) -> dict[str, Any]:
+        keys = GGUF_TOKENIZER_MAPPING[group].items()
+        return {name: fields[f"tokenizer.{key}"] for key, name in keys if f"tokenizer.{key}" in fields}
+
+    vocabulary, settings = renamed("tokenizer"), renamed("tokenizer_config")
+    settings.setdefault("add_bos_token", True)  # llama.cpp's default for a SentencePiece vocabulary
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        index = fields.get(f"tokenizer.ggml.{key}_token_id")
+        settings[f"{name}_token"] = None if index is None else vocabulary["tokens"][index]
+    backend, _ = convert_gguf_tokenizer(fields["general.architecture"], vocabulary)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **settings)
