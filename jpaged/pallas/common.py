@@ -62,9 +62,9 @@ def check_window(sliding_window) -> None:
 
 
 def window_operand(sliding_window) -> jax.Array:
-    """The window as data, int32[1] (<= 0: none), so one compiled program serves every layer's window: Gemma's
-    local and global layers run in one scan over the layers. Call it only when `sliding_window is not None`."""
-    return jnp.asarray(sliding_window, jnp.int32).reshape(1)
+    """The window as data, int32[1] (<= 0, and None: no window), so one compiled program serves every layer's
+    window: Gemma's local and global layers run in one scan over the layers."""
+    return jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
 
 
 def unbounded_if_none(window: jax.Array) -> jax.Array:

@@ -260,7 +260,7 @@ def ragged_paged_attention_stacked(
     kv_spec = pl.BlockSpec(
         (num_layers, num_blocks, block_size, None, head_dim), lambda h, t, k: (0, 0, 0, h, 0)
     )
-    window = jnp.zeros((1,), jnp.int32) if sliding_window is None else window_operand(sliding_window)
+    window = window_operand(sliding_window)
     metadata = (
         jnp.reshape(layer, (1,)).astype(jnp.int32),
         window,

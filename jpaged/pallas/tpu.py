@@ -302,7 +302,7 @@ def ragged_paged_attention_stacked(
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     scalars = (
         jnp.reshape(layer, (1,)).astype(jnp.int32),
-        jnp.zeros((1,), jnp.int32) if sliding_window is None else window_operand(sliding_window),
+        window_operand(sliding_window),
         kv_lens,
         block_tables.reshape(-1),  # 1-D: a 2-D SMEM array pads its rows
         query_start,

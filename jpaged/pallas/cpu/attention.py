@@ -92,7 +92,7 @@ def ragged_paged_attention_stacked(
         block_tables,
         query_start,
         num_seqs,
-        jnp.zeros((1,), jnp.int32) if sliding_window is None else window_operand(sliding_window),
+        window_operand(sliding_window),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(logits_soft_cap or 0.0),
     )
