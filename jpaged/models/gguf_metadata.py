@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jpaged.models.config import ModelConfig
-from jpaged.models.families import family_of, gguf_family
-
-if TYPE_CHECKING:
-    from jpaged.models.families.family import Family
+from jpaged.models.families import gguf_family
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -49,7 +46,7 @@ def gguf_hf_config(fields: dict[str, Any]) -> dict[str, Any]:
     """transformers' config.json keys from llama.cpp's metadata, with the defaults llama.cpp assumes where its
     converter writes nothing."""
     arch = fields.get("general.architecture")
-    family = _family(arch)
+    family = gguf_family(arch)
 
     def get(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
@@ -78,69 +75,7 @@ def gguf_hf_config(fields: dict[str, Any]) -> dict[str, Any]:
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
     )
-    extra = _ARCHITECTURE_KEYS.get(arch)
-    return {**hf, **extra(get, hf, tensors)} if extra else hf
-
-
-def _phi3_keys(get, hf, tensors) -> dict[str, Any]:
-    if "rope_factors_long.weight" in tensors:
-        # llama.cpp stores LongRoPE's factors as tensors; transformers' GGUF loading drops them (and with them the
-        # model's RoPE at every length), so jpaged refuses rather than run a different model.
-        raise ValueError(
-            "phi3 GGUF with LongRoPE (rope_factors_long/rope_factors_short tensors) is not supported; load the "
-            "HF checkpoint instead"
-        )
-    # The checkpoint's window, as jpaged reads it from an HF config (llama.cpp's converter writes 0 for none, as
-    # Phi-4). llama.cpp itself runs Phi-3 without it for now and transformers' GGUF loading drops it.
-    return dict(sliding_window=get("attention.sliding_window") or None)
-
-
-def _gemma_query_scalar(arch: str, hf: dict[str, Any]) -> float:
-    """llama.cpp keeps no query_pre_attn_scalar: it takes hidden / heads for the 27B models (told by their layer
-    count) and head_dim for the rest, as Google's gemma_pytorch configs do."""
-    if hf["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]:
-        return hf["hidden_size"] // hf["num_attention_heads"]
-    return hf["head_dim"]
-
-
-def _gemma2_keys(get, hf, tensors) -> dict[str, Any]:
-    return dict(
-        sliding_window=get("attention.sliding_window", 4096),
-        attn_logit_softcapping=float(get("attn_logit_softcapping", 50.0)),
-        final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
-        query_pre_attn_scalar=_gemma_query_scalar("gemma2", hf),
-    )
-
-
-def _gemma3_keys(get, hf, tensors) -> dict[str, Any]:
-    pattern = get("attention.sliding_window_pattern", 6)
-    layers = (
-        dict(sliding_window_pattern=pattern)
-        if isinstance(pattern, int)
-        else dict(layer_types=["sliding_attention" if s else "full_attention" for s in pattern])
-    )
-    return dict(
-        sliding_window=get("attention.sliding_window"),
-        rope_local_base_freq=float(get("rope.freq_base_swa", 10000.0)),
-        query_pre_attn_scalar=_gemma_query_scalar("gemma3", hf),
-        **layers,
-    )
-
-
-# What each architecture's GGUF says beyond the shared keys, as transformers' config keys.
-_ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "gemma2": _gemma2_keys, "gemma3": _gemma3_keys}
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-# GGUF architectures whose family does not declare `gguf_architecture` yet (families/*.py owns that field).
-_UNDECLARED = {"phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
-
-
-def _family(arch: str) -> Family:
-    try:
-        return gguf_family(arch)
-    except ValueError:
-        if arch not in _UNDECLARED:
-            raise
-        return family_of(_UNDECLARED[arch])
+    return {**hf, **family.gguf_config(get, hf, tensors)} if family.gguf_config else hf
 
 
 def gguf_tokenizer(fields: dict[str, Any]):

@@ -65,6 +65,23 @@ def gemma_checkpoint(config: ModelConfig) -> dict[str, LeafRecipe]:
     return recipes
 
 
+def gemma_query_scalar(hf: dict[str, Any], layers_27b: int) -> float:
+    """llama.cpp keeps no query_pre_attn_scalar in a GGUF: it takes hidden / heads for the 27B models (told by
+    their layer count, `layers_27b`) and head_dim for the rest, as Google's gemma_pytorch configs do."""
+    if hf["num_hidden_layers"] == layers_27b:
+        return hf["hidden_size"] // hf["num_attention_heads"]
+    return hf["head_dim"]
+
+
+def _gguf_config(get, hf, tensors) -> dict[str, Any]:
+    return dict(
+        sliding_window=get("attention.sliding_window", 4096),
+        attn_logit_softcapping=float(get("attn_logit_softcapping", 50.0)),
+        final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
+        query_pre_attn_scalar=gemma_query_scalar(hf, layers_27b=46),
+    )
+
+
 FAMILY = Family(
     model_type="gemma2",
     architectures=("Gemma2ForCausalLM",),
@@ -72,4 +89,6 @@ FAMILY = Family(
     "logit soft-capping; query_pre_attn_scalar; sliding-window layers alternating with global ones",
     features=lambda hf: gemma_features(hf, sliding_pattern=2, soft_caps=(50.0, 30.0)),
     checkpoint=gemma_checkpoint,
+    gguf_architecture="gemma2",
+    gguf_config=_gguf_config,
 )

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jpaged.models.families.family import Family
-from jpaged.models.families.gemma2 import gemma_checkpoint, gemma_features
+from jpaged.models.families.gemma2 import gemma_checkpoint, gemma_features, gemma_query_scalar
 
 
 def _features(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -22,6 +22,21 @@ def _features(hf: Mapping[str, Any]) -> dict[str, Any]:
     return dict(features, qk_norm=True, local_rope_theta=float(theta))
 
 
+def _gguf_config(get, hf, tensors) -> dict[str, Any]:
+    pattern = get("attention.sliding_window_pattern", 6)
+    layers = (
+        dict(sliding_window_pattern=pattern)
+        if isinstance(pattern, int)
+        else dict(layer_types=["sliding_attention" if s else "full_attention" for s in pattern])
+    )
+    return dict(
+        sliding_window=get("attention.sliding_window"),
+        rope_local_base_freq=float(get("rope.freq_base_swa", 10000.0)),
+        query_pre_attn_scalar=gemma_query_scalar(hf, layers_27b=62),
+        **layers,
+    )
+
+
 FAMILY = Family(
     model_type="gemma3_text",
     architectures=("Gemma3ForCausalLM",),
@@ -29,4 +44,6 @@ FAMILY = Family(
     "base of their own for the local layers",
     features=_features,
     checkpoint=gemma_checkpoint,
+    gguf_architecture="gemma3",
+    gguf_config=_gguf_config,
 )
