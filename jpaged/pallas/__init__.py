@@ -1,12 +1,18 @@
 """Ragged paged attention: the XLA reference and the kernels behind one call.
 
 `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, sm_scale,
-sliding_window=None, logits_soft_cap=None, interpret=False, impl="auto")` is the entry point: the same contract on
-every backend (shapes in reference.py), dispatched by backend and `impl`. Implementations: `reference` (XLA),
+sliding_window=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0, interpret=False, impl="auto")` is the entry
+point: the same contract on every backend (shapes in reference.py), dispatched by backend and `impl`. Implementations: `reference` (XLA),
 `pallas` (the GPU kernel, gpu.py, or the TPU kernel, tpu.py; interpret mode on CPU, for tests) and `cpu` (C++
 kernels called through XLA's FFI, built on first use; cpu/). The model calls the *stacked* form,
 `fn(q, k_cache, v_cache, layer, ...)` over a cache `[L, N, B, Hk, D]`, which `get_attention_fn` builds for the
 chosen implementation; common.py holds what the kernels share.
+
+KV pages hold q's dtype, or float8_e4m3fn (`--kv-cache-dtype fp8`) under float32 or bfloat16 queries. `k_scale` and
+`v_scale` (default 1.0) multiply what the K and V pages hold, whatever their dtype: a page element `x` reads as
+`float(x) * k_scale`. Each is a positive Python float or a float32 scalar array (shape () or (1,)), possibly traced,
+such as `k_scales[layer]` inside the scan over layers: one compiled program serves every value. The kernels fold
+the K scale into the scores' scale and the V scale into the output, never multiplying page elements.
 
 `sliding_window` is None (no window), a positive Python int, or an int32 scalar array (shape () or (1,)), possibly
 traced, such as `windows[layer]` inside the model's scan over layers: one compiled program serves every value, and
@@ -106,6 +112,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
     interpret: bool = False,
     impl: str = "auto",
 ) -> jax.Array:
@@ -132,4 +140,6 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

@@ -1,5 +1,5 @@
-"""What the attention kernels share: the input checks of their contract, the tile-to-sequence search, and the
-pages form of a stacked-cache kernel."""
+"""What the attention kernels share: the input checks of their contract, the window and KV scales as operands, the
+tile-to-sequence search, and the pages form of a stacked-cache kernel."""
 
 from __future__ import annotations
 
@@ -12,10 +12,25 @@ from jax import lax
 
 NEG_INF = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# The quantised KV pages (`--kv-cache-dtype fp8`): stored = e4m3(k / k_scale), read as float(stored) * k_scale.
+FP8_PAGES = jnp.dtype(jnp.float8_e4m3fn)
+FP8_QUERY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, sliding_window, soft_cap):
-    """Static checks shared by the GPU and TPU kernels; raises ValueError naming the field."""
+def check_inputs(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    query_start,
+    num_seqs,
+    sliding_window,
+    soft_cap,
+    k_scale=1.0,
+    v_scale=1.0,
+):
+    """Static checks shared by the kernels; raises ValueError naming the field."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     if k_pages.ndim not in (4, 5) or k_pages.shape[-1] != q.shape[-1]:
@@ -24,12 +39,7 @@ def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_se
         )
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(
-            f"k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must equal q dtype {q.dtype}"
-        )
+    check_dtypes(q, k_pages, v_pages)
     if q.shape[1] % k_pages.shape[-2]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k_pages heads ({k_pages.shape[-2]})")
     num_seq_slots = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
@@ -42,8 +52,26 @@ def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_se
         if array.shape != shape or array.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32{list(shape)}, got {array.dtype}{list(array.shape)}")
     check_window(sliding_window)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"logits_soft_cap must be positive, got {soft_cap}")
+
+
+def check_dtypes(q, k_pages, v_pages) -> None:
+    """Pages hold q's dtype, or float8_e4m3fn under float32 or bfloat16 queries; raises ValueError naming the field."""
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {k_pages.dtype}")
+    if k_pages.dtype == FP8_PAGES:
+        if q.dtype not in FP8_QUERY_DTYPES:
+            raise ValueError(f"q dtype must be float32 or bfloat16 with float8_e4m3fn k_pages, got {q.dtype}")
+    elif k_pages.dtype != q.dtype:
+        raise ValueError(
+            f"k_pages/v_pages dtype ({k_pages.dtype}/{v_pages.dtype}) must equal q dtype {q.dtype}"
+            " (or be float8_e4m3fn)"
+        )
 
 
 def check_window(sliding_window) -> None:
@@ -65,6 +93,28 @@ def window_operand(sliding_window) -> jax.Array:
     """The window as data, int32[1] (<= 0, and None: no window), so one compiled program serves every layer's
     window: Gemma's local and global layers run in one scan over the layers."""
     return jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
+
+
+def check_scale(name: str, scale) -> None:
+    """A KV scale is a positive finite Python float (or int, or numpy float), or a float32 array of one element,
+    possibly traced (such as `k_scales[layer]` in the scan over the layers). It multiplies what the pages hold,
+    whatever their dtype; 1.0 (the default) for pages stored unscaled."""
+    if isinstance(scale, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
+        if scale.dtype != jnp.float32 or scale.size != 1:
+            raise ValueError(
+                f"{name} must be a Python float or a float32 scalar array, got {scale.dtype}{list(scale.shape)}"
+            )
+    elif isinstance(scale, bool) or not isinstance(scale, int | float | np.integer | np.floating):
+        raise ValueError(
+            f"{name} must be a Python float or a float32 scalar array, got {type(scale).__name__}"
+        )
+    elif not (0 < float(scale) < float("inf")):
+        raise ValueError(f"{name} must be positive and finite, got {scale}")
+
+
+def scale_operand(scale) -> jax.Array:
+    """A KV scale as data, float32[1], so one compiled program serves every layer's (and checkpoint's) scales."""
+    return jnp.asarray(scale, jnp.float32).reshape(1)
 
 
 def unbounded_if_none(window: jax.Array) -> jax.Array:
@@ -92,7 +142,8 @@ def find_tile_sequence(query_start_ref, tile, num_seqs, tile_tokens: int, search
 
 def over_pages(stacked: Callable) -> Callable:
     """The pages form of a stacked-cache kernel, `fn(q, k_pages, v_pages, kv_lens, block_tables, query_start,
-    num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None, interpret=False)`: the cache as one layer."""
+    num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0, interpret=False)`:
+    the cache as one layer."""
 
     def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *metadata, **options):
         """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]` (contract in jpaged.pallas); returns [T, Hq, D]."""

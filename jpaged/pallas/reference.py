@@ -11,6 +11,9 @@ over chunks of each sequence's own pages, with loop trip counts taken from the d
 once; the other tokens of prefill chunks go tile by tile through a loop over the sequences up to the last
 prefill (the scheduler puts running decodes first, so a decode step runs no iteration of it).
 
+Pages may be float8_e4m3fn (`--kv-cache-dtype fp8`): widened to float32 like the others, the K scale folded into
+the queries' scale and the V scale into the output, so no page element is multiplied.
+
 Unlike the kernels, it reads whole pages and masks scores, so slots past a sequence's length must hold finite
 values (the engine's pool is zero-initialised and only ever written with finite K/V).
 """
@@ -20,7 +23,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jpaged.pallas.common import NEG_INF, check_window, window_operand
+from jpaged.pallas.common import (
+    NEG_INF,
+    check_dtypes,
+    check_scale,
+    check_window,
+    scale_operand,
+    window_operand,
+)
 from jpaged.rounding import cdiv
 
 # Prefill query rows per loop iteration: fewer iterations, each a bigger dot; a partial tile's padding rows cost
@@ -43,6 +53,8 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
     interpret: bool = False,
 ) -> jax.Array:
     """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]`; see jpaged.pallas for the full contract."""
@@ -59,6 +71,8 @@ def ragged_paged_attention_reference(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -75,13 +89,19 @@ def paged_attention_stacked(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
 ) -> jax.Array:
     """The reference over one layer of a stacked cache `[L, N, B, Hk, D]`.
 
     Indexing the layer inside the gathers (rather than slicing `k_cache[layer]` first) lets XLA read the pages in
     place inside the model's layer scan instead of copying a whole layer's pool every step.
     """
+    check_dtypes(q, k_cache, v_cache)
     check_window(sliding_window)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
+    score_scale = sm_scale * scale_operand(k_scale)[0]
     window = None if sliding_window is None else window_operand(sliding_window)[0]
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
@@ -101,7 +121,7 @@ def paged_attention_stacked(
         code, and one batched dot per chunk is what a decode step needs.
         """
         seqs, rows = queries.shape[:2]
-        queries = queries.astype(jnp.float32).transpose(0, 2, 1, 3, 4) * sm_scale
+        queries = queries.astype(jnp.float32).transpose(0, 2, 1, 3, 4) * score_scale
         pages_per_chunk = max(1, chunk_tokens // block_size)
         chunk_len = pages_per_chunk * block_size
         padded_width = cdiv(width, pages_per_chunk) * pages_per_chunk
@@ -174,5 +194,5 @@ def paged_attention_stacked(
     num_prefills = jnp.max(jnp.where(q_lens > 1, seq_ids + 1, 0))  # sequences past it are all decodes
     out = jax.lax.fori_loop(0, num_prefills, per_sequence, out)[:num_tokens]
     last_rows = jnp.where(live & (q_lens > 0), last_rows, num_tokens)  # padding sequences write nowhere
-    out = out.at[last_rows].set(last_out, mode="drop")
+    out = out.at[last_rows].set(last_out, mode="drop") * scale_operand(v_scale)[0]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
