@@ -1,25 +1,35 @@
 """A GGUF of Phi-3, Gemma 2 or Gemma 3 written as llama.cpp's converter writes one (gguf's own tensor names, Gemma's
 norms stored as 1 + w, F32 vectors and Q8_0 matrices) loads into the params transformers' own GGUF loading reads,
-and into the config of the model it was converted from, less what a GGUF does not hold; its SentencePiece vocabulary
-(the kind Phi-3's and Gemma's GGUFs carry) tokenizes as transformers' GGUF tokenizer does."""
+and into the config of the model it was converted from, less what a GGUF does not hold; a Phi-3 with LongRoPE
+(factor tensors, which transformers drops) loads as its checkpoint and generates as it does; its SentencePiece
+vocabulary (the kind Phi-3's and Gemma's GGUFs carry) tokenizes as transformers' GGUF tokenizer does."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 from test_loaders import assert_same_params
 
+from jpaged import LLM, SamplingParams
 from jpaged.models.config import ModelConfig
+from jpaged.models.gguf_metadata import gguf_model_config, read_gguf_fields
 from jpaged.models.loader import load_model
 from jpaged.models.params import params_from_hf_names
 
 # tiny_model_dir's family -> llama.cpp's `general.architecture`
-GGUF_ARCHITECTURES = {"phi3": "phi3", "phi3_longrope": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
+GGUF_ARCHITECTURES = {
+    "phi3": "phi3",
+    "phi3_longrope": "phi3",
+    "phi3_partial_rotary": "phi3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+}
 # What transformers' GGUF config reading leaves at its config class's defaults (it maps fewer keys than
 # llama.cpp writes); jpaged reads these as llama.cpp does.
 TRANSFORMERS_DROPS = {
@@ -31,13 +41,14 @@ TRANSFORMERS_DROPS = {
 
 @pytest.fixture
 def gguf_of(tiny_model_dir, default_gguf, tmp_path, monkeypatch):
-    """(family, vocabulary=the default model's first tokens) -> a GGUF converted from tiny_model_dir(family)."""
+    """(family, vocabulary=the default model's first tokens, quantize=True) -> a GGUF converted from
+    tiny_model_dir(family)."""
     monkeypatch.setenv("JPAGED_CACHE_DIR", str(tmp_path / "cache"))
 
-    def make(family: str, vocabulary=None) -> Path:
+    def make(family: str, vocabulary=None, quantize: bool = True) -> Path:
         path = tmp_path / f"{family}.gguf"
         vocabulary = vocabulary or functools.partial(byte_level_vocabulary, default_gguf)
-        write_gguf(tiny_model_dir(family), path, GGUF_ARCHITECTURES[family], vocabulary)
+        write_gguf(tiny_model_dir(family), path, GGUF_ARCHITECTURES[family], vocabulary, quantize)
         return path
 
     return make
@@ -56,10 +67,8 @@ def test_gguf_params_equal_transformers_gguf_loading(family, gguf_of, tiny_model
     state = {k: v.numpy() for k, v in reference.state_dict().items()}
     assert_same_params(ours.params, params_from_hf_names(ours.config, state.__getitem__, np.float32))
 
-    source = ModelConfig.from_hf_config(json.loads((tiny_model_dir(family) / "config.json").read_text()))
-    # GGUF's float32 epsilon, and the ids of the tokenizer it was given
-    source = dataclasses.replace(
-        source, rms_norm_eps=float(np.float32(source.rms_norm_eps)), bos_token_id=1, eos_token_ids=(2,)
+    source = as_in_gguf(
+        ModelConfig.from_hf_config(json.loads((tiny_model_dir(family) / "config.json").read_text()))
     )
     if family.startswith("gemma"):  # not in a GGUF: llama.cpp takes head_dim below 27B
         source = dataclasses.replace(source, query_pre_attn_scalar=float(source.head_dim))
@@ -74,13 +83,65 @@ def test_gguf_params_equal_transformers_gguf_loading(family, gguf_of, tiny_model
     assert differ == TRANSFORMERS_DROPS[family]
 
 
-def test_a_phi3_gguf_with_longrope_factors_is_refused(gguf_of):
-    with pytest.raises(ValueError, match="LongRoPE"):
-        load_model(str(gguf_of("phi3_longrope")), progress=False)
+def as_in_gguf(config: ModelConfig) -> ModelConfig:
+    """The config less what its GGUF cannot say alike: GGUF's float32 epsilon, and the ids of the tokenizer the
+    GGUF was given."""
+    return dataclasses.replace(
+        config, rms_norm_eps=float(np.float32(config.rms_norm_eps)), bos_token_id=1, eos_token_ids=(2,)
+    )
 
 
-def write_gguf(model_dir: Path, path: Path, arch: str, vocabulary) -> None:
-    """A small llama.cpp converter: the model's safetensors under gguf's names for `arch` and llama.cpp's metadata
+LONGROPE = ["phi3_longrope", "phi3_partial_rotary"]  # Phi-3-mini-128k / Phi-3.5-mini's shape, Phi-4-mini's
+
+
+@pytest.mark.parametrize("family", LONGROPE)
+def test_a_phi3_gguf_with_longrope_loads_the_config_and_params_of_its_checkpoint(
+    family, gguf_of, tiny_model_dir
+):
+    # Unquantized, so that the params are the checkpoint's own.
+    path = gguf_of(family, quantize=False)
+    ours = load_model(str(path), progress=False)
+    checkpoint = load_model(str(tiny_model_dir(family)), progress=False)
+    # What the test is about, were both configs to lose it.
+    assert ours.config.rope_scaling_dict["long_factor"]
+    assert ours.config == as_in_gguf(checkpoint.config)
+    assert_same_params(ours.params, checkpoint.params)
+    assert load_model(str(path), progress=False).config == ours.config  # read back from its converted copy
+
+
+def test_a_longrope_attention_factor_other_than_the_contexts_give_is_kept(gguf_of):
+    """llama.cpp's converter always writes the factor the two contexts give (the config then names none); a file
+    whose factor differs (another converter's) keeps it."""
+    fields = read_gguf_fields(gguf_of("phi3_longrope"))
+    assert "attention_factor" not in gguf_model_config(fields).rope_scaling_dict
+    fields["phi3.rope.scaling.attn_factor"] = 1.5
+    assert gguf_model_config(fields).rope_scaling_dict["attention_factor"] == 1.5
+
+
+@pytest.mark.parametrize("family", LONGROPE)
+def test_a_phi3_gguf_with_longrope_generates_as_its_checkpoint_across_the_original_context(
+    family, gguf_of, tiny_model_dir
+):
+    # Prompts ending before the original context (32; decoding crosses it) and past it. The two tokenizers differ:
+    # token ids and logprobs only.
+    prompts = [{"prompt_token_ids": [(7 * i + 3) % 250 + 3 for i in range(n)]} for n in (28, 45)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    outputs = {}
+    for name, model in (("gguf", gguf_of(family, quantize=False)), ("checkpoint", tiny_model_dir(family))):
+        llm = LLM(str(model), max_model_len=64, max_num_seqs=2, enforce_eager=True)
+        outputs[name] = [
+            (
+                o.outputs[0].token_ids,
+                [{t: p.logprob for t, p in step.items()} for step in o.outputs[0].logprobs],
+            )
+            for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    assert outputs["gguf"] == outputs["checkpoint"]
+
+
+def write_gguf(model_dir: Path, path: Path, arch: str, vocabulary, quantize: bool = True) -> None:
+    """A small llama.cpp converter: the model's safetensors under gguf's names for `arch` (matrices Q8_0 if
+    `quantize`, else F32), LongRoPE's factors as llama.cpp's Phi-3 converter writes them, and llama.cpp's metadata
     keys for it; `vocabulary(writer)` writes the tokenizer's."""
     import gguf
     from safetensors.numpy import load_file
@@ -96,15 +157,16 @@ def write_gguf(model_dir: Path, path: Path, arch: str, vocabulary) -> None:
         tensor = tensor.astype(np.float32)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1  # llama.cpp's Gemma converter
-        if tensor.ndim == 2 and tensor.shape[-1] % 32 == 0:
+        if quantize and tensor.ndim == 2 and tensor.shape[-1] % 32 == 0:
             quantized = gguf.quants.quantize(tensor, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             writer.add_tensor(gguf_name, tensor)
     scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if scaling.get("long_factor"):  # llama.cpp's Phi-3 LongRoPE
-        writer.add_tensor("rope_factors_long.weight", np.asarray(scaling["long_factor"], np.float32))
-        writer.add_tensor("rope_factors_short.weight", np.asarray(scaling["short_factor"], np.float32))
+    if scaling.get("long_factor"):  # llama.cpp's Phi-3 LongRoPE (Phi3MiniModel.generate_extra_tensors)
+        for kind in ("long", "short"):
+            name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, f"ROPE_FACTORS_{kind.upper()}")] + ".weight"
+            writer.add_tensor(name, np.asarray(scaling[f"{kind}_factor"], np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -127,8 +189,14 @@ def _write_metadata(writer, arch: str, hf: dict) -> None:
         head_dim = hf["hidden_size"] // hf["num_attention_heads"]
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         writer.add_rope_freq_base(rope["rope_theta"])
-        writer.add_rope_scaling_orig_ctx_len(hf["original_max_position_embeddings"])
+        original = hf["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
         writer.add_sliding_window(hf.get("sliding_window") or 0)
+        if rope.get("rope_type") == "longrope":  # its attention factor from the contexts, whatever the config
+            scale = hf["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            )
         return
     writer.add_key_length(hf["head_dim"])
     writer.add_value_length(hf["head_dim"])

@@ -2,15 +2,18 @@
 
 transformers can do both, but its GGUF path imports PyTorch, which jpaged does not depend on at run time; the
 tests check that these give the same config and the same token ids as transformers does, and, where transformers
-leaves a key llama.cpp writes unread (Phi-3's window, Gemma's soft caps, layer pattern and local RoPE), the config
-of the checkpoint the GGUF was converted from (tests/test_gguf_families.py).
+leaves a key llama.cpp writes unread (Phi-3's window and LongRoPE factors, Gemma's soft caps, layer pattern and
+local RoPE), the config of the checkpoint the GGUF was converted from (tests/test_gguf_families.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from jpaged.models.config import ModelConfig
 from jpaged.models.families import gguf_family
@@ -19,7 +22,7 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
 def read_gguf_fields(path: Path) -> dict[str, Any]:
-    """Every metadata key of the file with its decoded value (arrays as lists)."""
+    """Every metadata key of the file with its decoded value (arrays as lists); `_tensors`: its tensors by name."""
     from gguf import GGUFReader
 
     try:
@@ -27,8 +30,30 @@ def read_gguf_fields(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot read GGUF model {path}: {err}") from err
     fields = {name: field.contents() for name, field in reader.fields.items()}
-    fields["_tensor_names"] = {t.name for t in reader.tensors}
+    fields["_tensors"] = GGUFTensors(reader.tensors)
     return fields
+
+
+class GGUFTensors(Mapping[str, np.ndarray]):
+    """A GGUF's tensors by name, each dequantised to float32 in transformers' shape when looked up; the file is
+    memory-mapped, so naming them reads nothing and looking one up reads only it (for metadata kept as tensors,
+    such as Phi-3's LongRoPE factors)."""
+
+    def __init__(self, tensors) -> None:
+        self._tensors = {tensor.name: tensor for tensor in tensors}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        tensor = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        return dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 def gguf_model_config(fields: dict[str, Any]) -> ModelConfig:
@@ -51,7 +76,7 @@ def gguf_hf_config(fields: dict[str, Any]) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
 
-    tensors = fields["_tensor_names"]
+    tensors = fields["_tensors"]
     heads = get("attention.head_count")
     hidden = get("embedding_length")
     scaling = None

@@ -33,8 +33,8 @@ class Family:
     gguf_architecture: str | None = None  # llama.cpp's `general.architecture`, where jpaged reads its GGUF
     gguf_permutes_qk: bool = False  # llama.cpp permuted the Q/K rows for its interleaved RoPE
     # What its GGUF's metadata says beyond the shared keys, as the HF config keys `features` reads: called with
-    # (get: metadata key under the architecture -> value, the shared HF keys, the file's tensor names).
-    gguf_config: Callable[[Callable[..., Any], dict[str, Any], set[str]], dict[str, Any]] | None = None
+    # (get: metadata key under the architecture -> value, the shared HF keys, its tensors by name, read lazily).
+    gguf_config: Callable[[Callable[..., Any], dict[str, Any], Mapping], dict[str, Any]] | None = None
 
     @property
     def loaders(self) -> tuple[str, ...]:
