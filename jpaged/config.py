@@ -16,6 +16,8 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 # vLLM's --runner and --convert: a decoder model runs as a pooling (embedding) model with runner="pooling",
 # convert="embed"; "auto" runner means pooling when convert asks for it, generate otherwise.
 RUNNERS = ("auto", "generate", "pooling")
+# vLLM's --quantization for a float checkpoint, quantised at load (online): W8A8 with dynamic per-token activations.
+QUANTIZATIONS = ("int8", "fp8")
 CONVERTS = ("auto", "none", "embed")
 
 
@@ -46,6 +48,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # compiled steps kept here; default ~/.cache/jpaged/xla
     runner: str = "auto"  # "generate", or "pooling" (embeddings; see RUNNERS)
     convert: str = "auto"  # "embed": the decoder's hidden states pooled as embeddings (see CONVERTS)
+    quantization: str | None = None  # "int8" or "fp8": layer matrices held quantized (see QUANTIZATIONS)
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "tensor_parallel_size")
@@ -75,6 +78,10 @@ class EngineConfig:
         _one_of(self, "attention_impl", ATTENTION_IMPLS)
         _one_of(self, "runner", RUNNERS)
         _one_of(self, "convert", CONVERTS)
+        if self.quantization is not None:
+            _one_of(self, "quantization", QUANTIZATIONS)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet")
         if self.runner == "generate" and self.convert == "embed":
             raise ValueError("convert 'embed' makes a pooling model: it needs runner 'pooling' (or 'auto')")
         if self.runner == "pooling" and self.convert == "none":

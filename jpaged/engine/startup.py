@@ -23,7 +23,7 @@ from jpaged.models.llama import params_dtype
 from jpaged.models.loader import LoadedModel
 from jpaged.runner.activation_peak import activation_peak_bytes
 from jpaged.runner.tensor_parallel import check_tensor_parallel_size, tensor_parallel_config
-from jpaged.runner.weight_layout import cpu_auto_dtype
+from jpaged.runner.weight_layout import cpu_auto_dtype, held_weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,10 @@ def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) 
     device_bytes_per_token = kv_bytes_per_token(  # with more devices than KV heads, each holds a copy of one
         mc.num_layers, tensor_parallel_config(tp, mc).num_kv_heads // tp, mc.head_dim, dtype_bytes
     )
+    held = held_weight_bytes(params, mc.hidden_activation, config.quantization)
+    logger.info(
+        "weights held: %s", ", ".join(f"{n / 2**20:.1f} MiB {dtype}" for dtype, n in sorted(held.items()))
+    )
     platform, bytes_limit = device_memory()
     peak = 0
     if bytes_limit is not None and config.num_blocks is None:
@@ -73,7 +77,7 @@ def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) 
         kv_cache_memory=config.kv_cache_memory,
         device_memory=bytes_limit,
         gpu_memory_utilization=allocator_share(platform, config.gpu_memory_utilization),
-        weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) // tp,
+        weight_bytes=sum(held.values()) // tp,
         activation_peak_bytes=peak,
     )
     check_max_model_len_fits(num_blocks, config.block_size, max_model_len)

@@ -22,6 +22,7 @@ _HELP = {
     "swap_space": "GiB of host memory for swapped-out KV blocks",
     "num_blocks": "number of KV blocks (overrides memory-based sizing)",
     "runner": "generate, or pooling: serve embeddings (/v1/embeddings, LLM.embed) instead of generation",
+    "quantization": "int8 or fp8: hold the layer matrices quantized (W8A8, activations quantised per token)",
     "convert": "embed: run a decoder as an embedding model, pooled as its sentence-transformers config says "
     "(else last token, normalised)",
 }

@@ -41,7 +41,9 @@ def activation_peak_bytes(
     batch = dummy_batch(tokens, seqs, cdiv(max_model_len, config.block_size))
     widths = SamplingWidths(model_config.vocab_size, max_model_len)
     sampling, _ = split_wide(build_sampling_tensors([], seqs, widths))  # with top_k/top_p: the larger variant
-    products = choose_products(abstract(params), activation=model_config.hidden_activation)
+    products = choose_products(
+        abstract(params), activation=model_config.hidden_activation, quantization=config.quantization
+    )
     attention = attention_for(config, model_config, config.attention_impl, dtype)
     (packed_batch, batch_layout), (packed_sampling, sampling_layout) = pack(batch), pack(sampling)
     branch_free = jax.default_backend() != "cpu"

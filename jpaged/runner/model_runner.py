@@ -94,7 +94,9 @@ class ModelRunner:
         self.products = products = (
             StackedProducts(model_config, tp)
             if self.mesh
-            else choose_products(params, activation=model_config.hidden_activation)
+            else choose_products(
+                params, activation=model_config.hidden_activation, quantization=config.quantization
+            )
         )
         shardings = param_shardings(self.mesh, model_config) if self.mesh else None
         self.weights = WeightPlacement(products, loaded_config, kv_head_copies(tp, loaded_config), shardings)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jpaged.models.llama import LAYER_MATRICES, STACKED, MatrixProducts, act_and_mul, params_dtype
+from jpaged.models.quantized import QuantizedProducts
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
@@ -84,11 +85,16 @@ def _at(tree: dict, path) -> dict:
     return tree
 
 
-def choose_products(params: dict, layout: str = "auto", *, activation: str) -> MatrixProducts:
+def choose_products(
+    params: dict, layout: str = "auto", *, activation: str, quantization: str | None = None
+) -> MatrixProducts:
     """The products for these params (arrays or ShapeDtypeStructs) of a model whose MLP takes `activation`
     (ModelConfig.hidden_activation): `auto` takes the CPU kernel's panels where the backend is the CPU and the
     kernel builds and takes the dtype, else the stacks; `stacked` and `panels` force one (tests and benchmarks
-    compare them)."""
+    compare them). With `quantization` (EngineConfig's), the layer matrices are held quantized
+    (models.quantized), multiplied by XLA's native int8/fp8 dots."""
+    if quantization is not None:
+        return QuantizedProducts(scheme=quantization)
     if layout == "auto":
         on_cpu = jax.default_backend() == "cpu"
         layout = "panels" if on_cpu and cpu_matmul.supports(params_dtype(params)) else "stacked"
@@ -97,6 +103,17 @@ def choose_products(params: dict, layout: str = "auto", *, activation: str) -> M
     if layout == "stacked":
         return STACKED
     raise ValueError(f"layout must be 'auto', 'stacked' or 'panels', got {layout!r}")
+
+
+def held_weight_bytes(params: dict, activation: str, quantization: str | None) -> dict[str, int]:
+    """Bytes of the weights as the runner will hold them (the layout `choose_products` picks: panels, quantized
+    matrices), by dtype; computed abstractly, nothing is laid out."""
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    products = choose_products(abstract, activation=activation, quantization=quantization)
+    held: dict[str, int] = {}
+    for leaf in jax.tree_util.tree_leaves(jax.eval_shape(products.layout, abstract)):
+        held[str(leaf.dtype)] = held.get(str(leaf.dtype), 0) + leaf.size * leaf.dtype.itemsize
+    return held
 
 
 def cpu_auto_dtype() -> np.dtype:

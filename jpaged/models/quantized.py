@@ -1,0 +1,116 @@
+"""Layer matrices held quantized, as vLLM's online `--quantization int8` and `fp8` (W8A8, dynamic): each matrix
+int8 or float8 (e4m3) with a float32 scale per output column, each token's activations quantised on the fly with a
+scale of its own, the product accumulated in int32 (int8) or float32 (fp8) and scaled back.
+
+A quantized matrix is a `QuantizedMatrix` pytree (values, scale) in the place of the float stack in the model's
+state: the layer scan slices both like any leaf and the modules are unchanged; `QuantizedProducts` is the
+MatrixProducts that reads it. The embedding and the LM head stay in the model's dtype, as vLLM keeps them.
+
+`QuantizedProducts(reference=True)` widens the same quantised operands to float32 and multiplies them there (the
+row and column scales applied to the sums, where they commute with the dot): the XLA dequantise-then-dot form the
+native dots (and any kernel for a format) are held to. The scales are applied to the sums rather than to the
+operands, and int8 sums are taken in runs that keep them exact (below 2^24) as the int32 ones are: a rounding
+difference in one layer's sums would otherwise move the next layer's activation quantisation by a step, which
+thirty layers of the embedded model amplify to percents of its logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jpaged.config import QUANTIZATIONS
+from jpaged.models.llama import LAYER_MATRICES, StackedProducts
+
+_LARGEST = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude each stores (e4m3's finite maximum)
+_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A matrix [..., K, N] as `values` (int8 or float8_e4m3fn) times `scale` [..., 1, N] (float32)."""
+
+    values: jax.Array
+    scale: jax.Array
+
+    def __getitem__(self, index) -> QuantizedMatrix:
+        """Itself for `[...]`, which is how an nnx.Param hands over its value."""
+        if index is not Ellipsis:
+            raise TypeError("a QuantizedMatrix is read whole ([...])")
+        return self
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+def _quantized(x: jax.Array, amax: jax.Array, scheme: str) -> tuple[jax.Array, jax.Array]:
+    """x stored as `scheme` with the scale that maps `amax` (broadcasting over x) onto its largest value."""
+    scale = jnp.where(amax > 0, amax / _LARGEST[scheme], 1.0)
+    scaled = x / scale
+    if scheme == "int8":
+        scaled = jnp.round(scaled)
+    return jnp.clip(scaled, -_LARGEST[scheme], _LARGEST[scheme]).astype(_DTYPES[scheme]), scale
+
+
+def quantize(weight: jax.Array, scheme: str) -> QuantizedMatrix:
+    """A [..., K, N] matrix with one scale per output column (its largest magnitude onto the format's)."""
+    w = jnp.asarray(weight, jnp.float32)
+    values, scale = _quantized(w, jnp.max(jnp.abs(w), axis=-2, keepdims=True), scheme)
+    return QuantizedMatrix(values, scale)
+
+
+def quantize_rows(x: jax.Array, scheme: str) -> tuple[jax.Array, jax.Array]:
+    """Activations [T, K] with one scale per token (row): (values, scale [T, 1])."""
+    x32 = x.astype(jnp.float32)
+    return _quantized(x32, jnp.max(jnp.abs(x32), axis=-1, keepdims=True), scheme)
+
+
+def _float32_sums(xq: jax.Array, values: jax.Array, scheme: str) -> jax.Array:
+    """xq @ values with both widened to float32. For int8, over runs of K short enough that the float32 sums of
+    the integer products stay exact (below 2^24), each run's sum then added: for K up to two runs this is the
+    exact sum rounded once, as the int32 sums converted to float32 are."""
+    xs, ws = xq.astype(jnp.float32), values.astype(jnp.float32)
+    run = int(2**24 // _LARGEST[scheme] ** 2) if scheme == "int8" else xs.shape[-1]
+    parts = [xs[:, k : k + run] @ ws[k : k + run] for k in range(0, xs.shape[-1], run)]
+    return functools.reduce(jnp.add, parts)
+
+
+def quantized_matmul(
+    x: jax.Array, weight: QuantizedMatrix, scheme: str, reference: bool = False
+) -> jax.Array:
+    """x [T, K] @ a quantized [K, N], W8A8 with x quantised per token; in x's dtype."""
+    xq, x_scale = quantize_rows(x, scheme)
+    if reference:
+        sums = _float32_sums(xq, weight.values, scheme)
+    else:
+        accumulate = jnp.int32 if scheme == "int8" else jnp.float32
+        sums = jax.lax.dot(xq, weight.values, preferred_element_type=accumulate)
+    return (sums.astype(jnp.float32) * x_scale * weight.scale).astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class QuantizedProducts(StackedProducts):
+    """XLA's dots with the layer matrices quantized to `scheme` (the layout does it, once, at load), the embedding
+    and LM head as StackedProducts multiplies them."""
+
+    scheme: str = "int8"
+    reference: bool = False  # dequantise-then-dot in float32 (the tests' reference) instead of the native dot
+
+    def __post_init__(self) -> None:
+        if self.scheme not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.scheme!r}")
+
+    def layout(self, params: dict) -> dict:
+        laid_out = jax.tree_util.tree_map(lambda leaf: leaf, super().layout(params))  # new dicts, same arrays
+        for parent, leaf in LAYER_MATRICES.values():
+            node = laid_out["layers"][parent]
+            node[leaf] = quantize(node[leaf], self.scheme)
+        return laid_out
+
+    def layer(self, name, weight, x, layer, rows) -> jax.Array:
+        return quantized_matmul(x, weight, self.scheme, self.reference)
