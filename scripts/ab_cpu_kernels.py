@@ -14,6 +14,7 @@ or REV:PATH from git.
   python scripts/ab_cpu_kernels.py attention 473c64e:jpaged/pallas/cpu_paged_attention.cc \\
       jpaged/pallas/cpu/paged_attention.cc
   python scripts/ab_cpu_kernels.py attention A.cc B.cc --shape 8,32,8,128 --seqs 32 --dtype bfloat16
+  python scripts/ab_cpu_kernels.py attention A.cc B.cc --dtype bfloat16 --kv-dtype float8_e4m3fn  # fp8 pages
   python scripts/ab_cpu_kernels.py matmul c77f7a1~1:jpaged/pallas/cpu_matmul.cc jpaged/pallas/cpu/matmul.cc
   python scripts/ab_cpu_kernels.py matmul A.cc B.cc --march x86-64-v3     # the AVX2 paths, on an AVX-512 CPU
 """
@@ -42,6 +43,7 @@ from jpaged.pallas.cpu import library as cpu_library  # noqa: E402
 from jpaged.pallas.cpu import matmul as cpu_matmul  # noqa: E402
 
 SYMBOLS = {"attention": "JpagedPagedAttention", "matmul": "JpagedMatmul"}
+SCALED_TARGETS = set()  # attention sources that take the k_scale and v_scale operands
 
 
 def build(source: str, kernel: str, index: int, workdir: Path, march: str = "native") -> str:
@@ -52,9 +54,11 @@ def build(source: str, kernel: str, index: int, workdir: Path, march: str = "nat
         path.write_text(text.replace('"cpu_kernel.h"', '"kernel.h"'))  # the header's name before pallas/cpu/
     else:
         path = Path(source)
+    target = f"ab{index}"
+    if "k_scale" in path.read_text():
+        SCALED_TARGETS.add(target)
     library = workdir / f"variant{index}.so"
     cpu_library.compile_sources([path], library, march=march)
-    target = f"ab{index}"
     cpu_library.register(library, {target: SYMBOLS[kernel]})
     return target
 
@@ -68,8 +72,9 @@ def attention_runs(targets, args, rng):
         raise SystemExit("--query-len must be between 1 and --context")
     batch, num_blocks = decode_batch(args.seqs, args.context, rng, args.pool_blocks)
     cache_shape = (num_layers, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k = jnp.asarray(rng.standard_normal(cache_shape, np.float32), dtype)
-    v = jnp.asarray(rng.standard_normal(cache_shape, np.float32), dtype)
+    kv_dtype = jnp.dtype(args.kv_dtype or args.dtype)
+    k = jnp.asarray(rng.standard_normal(cache_shape, np.float32), kv_dtype)
+    v = jnp.asarray(rng.standard_normal(cache_shape, np.float32), kv_dtype)
     q = jnp.asarray(rng.standard_normal((args.seqs * args.query_len, num_heads, head_dim)), dtype)
     query_start = np.arange(args.seqs + 1, dtype=np.int32) * args.query_len
     tables, kv_lens, query_start, num_seqs = map(
@@ -77,14 +82,16 @@ def attention_runs(targets, args, rng):
     )
 
     no_window = jnp.zeros((1,), jnp.int32)  # the window operand (sources before it took an attribute)
+    unit_scales = (jnp.ones((1,), jnp.float32),) * 2  # k_scale, v_scale: for sources that take them
 
     def make(target):
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
+        scales = unit_scales if target in SCALED_TARGETS else ()
 
         def run(q, k, v):
             def layer(i, x):
                 return call(
-                    x, k, v, i.reshape(1), kv_lens, tables, query_start, num_seqs, no_window,
+                    x, k, v, i.reshape(1), kv_lens, tables, query_start, num_seqs, no_window, *scales,
                     sm_scale=np.float32(head_dim**-0.5), soft_cap=np.float32(0.0),
                 )  # fmt: skip
 
@@ -95,7 +102,7 @@ def attention_runs(targets, args, rng):
 
     queries = f", {args.query_len} queries each" if args.query_len > 1 else ""
     label = f"{args.seqs} x {args.context}{queries}, {num_layers} layers, heads {num_heads}/{num_kv_heads}x{head_dim}"
-    return [(f"{label}, {args.dtype}", [make(t) for t in targets])]
+    return [(f"{label}, {args.dtype} q, {kv_dtype} pages", [make(t) for t in targets])]
 
 
 def matmul_runs(targets, args, rng):
@@ -137,6 +144,9 @@ def main() -> None:
     parser.add_argument("sources", nargs=2, metavar="SOURCE", help="A and B: a .cc path or REV:PATH")
     parser.add_argument("--repeats", type=int, default=11, help="runs of each, alternating")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--kv-dtype", choices=["float32", "bfloat16", "float8_e4m3fn"], help="default: --dtype"
+    )
     parser.add_argument("--shape", default="30,9,3,64", help="attention: layers,heads,kv_heads,head_dim")
     parser.add_argument("--seqs", type=int, default=64, help="attention: sequences")
     parser.add_argument("--context", type=int, default=256, help="attention: tokens per sequence")

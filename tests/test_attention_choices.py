@@ -106,7 +106,7 @@ def test_tpu_kernel_rejects_kv_head_counts_vmem_cannot_tile(num_kv_heads, dtype)
 
 @pytest.mark.parametrize(
     ("dtype", "head_dim", "message"),
-    [(jnp.float16, 32, "float32 or bfloat16"), (jnp.float32, 20, "multiple of 8")],
+    [(jnp.float16, 32, "takes float32, bfloat16"), (jnp.float32, 20, "multiple of 8")],
 )
 def test_cpu_kernel_rejects_layouts_it_cannot_vectorise_and_auto_falls_back_to_the_reference(
     dtype, head_dim, message
@@ -119,6 +119,14 @@ def test_cpu_kernel_rejects_layouts_it_cannot_vectorise_and_auto_falls_back_to_t
     assert resolve_attention_impl("auto", head_dim=head_dim, dtype=dtype, backend="cpu") == "reference"
     with pytest.raises(ValueError, match=message):
         resolve_attention_impl("cpu", head_dim=head_dim, dtype=dtype, backend="cpu")
+
+
+def test_an_fp8_pool_takes_the_cpu_kernel_on_cpu_and_tpu_needs_four_kv_heads_a_tile_for_it():
+    fp8 = jnp.float8_e4m3fn
+    assert resolve_attention_impl("auto", head_dim=64, dtype=fp8, backend="cpu") == "cpu"
+    tpu.check_tpu_layout(4, 16, 128, fp8)
+    with pytest.raises(ValueError, match="k_pages heads"):
+        tpu.check_tpu_layout(2, 16, 128, fp8)
 
 
 def test_auto_takes_the_cpu_kernel_on_cpu_and_pallas_elsewhere():

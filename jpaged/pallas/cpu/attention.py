@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.pallas.common import check_inputs, over_pages, window_operand
+from jpaged.pallas.common import FP8_PAGES, check_inputs, over_pages, scale_operand, window_operand
 from jpaged.pallas.cpu import huge_pages, library
 
 _TARGET = "jpaged_paged_attention"
@@ -50,9 +50,9 @@ def map_in_first_blocks(kv_cache, count: int) -> int:
 
 
 def check_layout(head_dim: int, dtype) -> None:
-    """The kernel works in float32 on eight-float vectors; raises ValueError where it cannot."""
-    if jnp.dtype(dtype) not in library.SUPPORTED_DTYPES:
-        raise ValueError(f"the CPU kernel takes float32 or bfloat16, not {jnp.dtype(dtype)}")
+    """The kernel works in float32 on eight-float vectors, on pages of `dtype`; raises ValueError where it cannot."""
+    if jnp.dtype(dtype) not in (*library.SUPPORTED_DTYPES, FP8_PAGES):
+        raise ValueError(f"the CPU kernel takes float32, bfloat16 or float8_e4m3fn, not {jnp.dtype(dtype)}")
     if head_dim % 8:
         raise ValueError(f"the CPU kernel needs a head_dim that is a multiple of 8, got {head_dim}")
 
@@ -70,14 +70,29 @@ def ragged_paged_attention_stacked(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
     interpret: bool = False,
 ) -> jax.Array:
-    """The kernel over one layer of a stacked cache `[L, N, B, Hk, D]` (contract in jpaged.pallas)."""
+    """The kernel over one layer of a stacked cache `[L, N, B, Hk, D]` (contract in jpaged.pallas). float8_e4m3fn
+    pages are passed as they are (XLA's CPU FFI hands them over as F8E4M3FN buffers), widened in the kernel; the
+    AVX-512-BF16 paths are bfloat16 pages' only, so fp8 pages take the float32 path."""
     del interpret  # same signature as the Pallas kernels
     pages = [k_cache, v_cache]
     if k_cache.dtype == jnp.uint16 and q.dtype == jnp.bfloat16:  # a bfloat16 pool stored as its 16-bit words
         pages = [jax.ShapeDtypeStruct(x.shape, q.dtype) for x in pages]
-    check_inputs(q, *pages, kv_lens, block_tables, query_start, num_seqs, sliding_window, logits_soft_cap)
+    check_inputs(
+        q,
+        *pages,
+        kv_lens,
+        block_tables,
+        query_start,
+        num_seqs,
+        sliding_window,
+        logits_soft_cap,
+        k_scale,
+        v_scale,
+    )
     check_layout(q.shape[-1], q.dtype)
     if k_cache.ndim != 5:
         raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
@@ -93,6 +108,8 @@ def ragged_paged_attention_stacked(
         query_start,
         num_seqs,
         window_operand(sliding_window),
+        scale_operand(k_scale),
+        scale_operand(v_scale),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(logits_soft_cap or 0.0),
     )

@@ -6,7 +6,13 @@
 // in place, with an online softmax per block of keys. Work items are (sequence, tile of query rows), shared among
 // XLA's CPU threads; each item's arithmetic depends only on its own sequence, so a row's output does not depend on what
 // else is in the batch.
+//
+// Pages hold q's dtype (float32, or bfloat16 as its 16-bit words) or float8_e4m3fn (`--kv-cache-dtype fp8`, under
+// float32 or bfloat16 queries), widened to float as they are read. The K scale is folded into the scores' scale and
+// the V scale into the output's normalisation, so no page element is multiplied by one.
+#include <array>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -24,7 +30,8 @@ constexpr int64_t kStreamBytes = 64 * 1024;
 
 struct Problem {
   int num_kv_heads, group, head_dim, block_size, table_width, num_blocks;
-  float scale, soft_cap;  // soft_cap 0: none
+  float scale, soft_cap;  // scale: sm_scale * k_scale; soft_cap 0: none
+  float v_scale;          // multiplies every output (what the V pages hold, times it, is what they mean)
   int window;             // <= 0: none (read from the window operand at run time: one program serves every layer)
   const int32_t* kv_lens;
   const int32_t* block_tables;
@@ -34,6 +41,33 @@ struct Problem {
 struct Item {
   int seq, row0, rows;
 };
+
+// A float8_e4m3fn page element: sign, four exponent bits (bias 7), three mantissa bits; no infinities, and S.1111.111
+// is NaN. A type of its own, so its loads never mix with other 8-bit data's.
+struct E4M3 {
+  uint8_t bits;
+};
+
+// Every e4m3 value as a float, indexed by its bits: a page row is widened by lookups.
+const std::array<float, 256> kE4M3 = [] {
+  std::array<float, 256> table{};
+  for (int x = 0; x < 256; ++x) {
+    const int e = (x >> 3) & 15, m = x & 7;
+    float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(static_cast<float>(8 + m), e - 10);
+    if ((x & 0x7F) == 0x7F) v = std::numeric_limits<float>::quiet_NaN();
+    table[x] = x & 0x80 ? -v : v;
+  }
+  return table;
+}();
+
+using jpaged::Load;  // beside the overloads below, which would otherwise hide kernel.h's
+using jpaged::ToFloat;
+inline float ToFloat(E4M3 x) { return kE4M3[x.bits]; }
+inline V8 Load(const E4M3* x) {
+  V8 v;
+  for (int i = 0; i < 8; ++i) v[i] = kE4M3[x[i].bits];
+  return v;
+}
 
 // s[0:count] = exp(s[0:count] - shift), returning their sum. Vectors of eight: a decode step takes one exp per cached
 // token and query head, which one by one was a large part of its attention (scripts/KERNELS.md).
@@ -53,9 +87,10 @@ inline float ExpShifted(float* s, int count, float shift) {
   return total;
 }
 
-// A page row of one head as floats: in place for float32, converted into `buffer` for bfloat16.
+// A page row of one head as floats: in place for float32, converted into `buffer` for bfloat16 and e4m3.
 inline const float* Row(const float* src, float*, int) { return src; }
-inline const float* Row(const uint16_t* src, float* buffer, int D) {
+template <typename P>
+inline const float* Row(const P* src, float* buffer, int D) {
   for (int d = 0; d < D; ++d) buffer[d] = ToFloat(src[d]);
   return buffer;
 }
@@ -179,8 +214,8 @@ inline void DotsOnWords(const uint16_t* q, const uint16_t* keys, int64_t stride,
 }
 #endif
 // The other caches' stand-in, for AttendItem to compile: OnWords is false for them, so it is never called.
-template <typename T>
-inline void DotsOnWords(const T*, const T*, int64_t, int, int, float, float*) {}
+template <typename T, typename P>
+inline void DotsOnWords(const T*, const P*, int64_t, int, int, float, float*) {}
 
 // scores[r * stride + j] = q_r . keys[j] for eight queries given transposed (`queries_t` [D][8]): each key row
 // element is broadcast against eight queries at once, so no horizontal sums; eight keys keep eight chains going.
@@ -403,7 +438,7 @@ bool AttendRowOnWords(const Problem& p, const uint16_t* q_row, const uint16_t* k
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + static_cast<size_t>(i) * padded + j),
                           (__m256i)_mm512_cvtneps_pbh(e));
     }
-    inverse[i] = 1.0f / std::max(_mm512_reduce_add_ps(sum), 1e-30f);
+    inverse[i] = p.v_scale / std::max(_mm512_reduce_add_ps(sum), 1e-30f);
   }
 
   // Pass 2: P.V, two keys a step: their value rows interleaved column by column against their weights' pair.
@@ -558,7 +593,8 @@ void AttendQueriesOnWords(const Problem& p, const uint16_t* q_rows, const uint16
   }
   for (int g = 0; g < NG; ++g) {
     alignas(64) float inverse[kLanes];
-    _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(sum[g], _mm512_set1_ps(1e-30f))));
+    _mm512_store_ps(inverse,
+                    _mm512_div_ps(_mm512_set1_ps(p.v_scale), _mm512_max_ps(sum[g], _mm512_set1_ps(1e-30f))));
     for (int lane = 0; lane < kLanes; ++lane) {
       const int i = base + g * kLanes + lane;
       if (i >= n) break;
@@ -607,8 +643,9 @@ bool RowOnWords(const Problem& p, const uint16_t* q, const uint16_t* k, const ui
 #endif
 
 // Attention of one item's rows (all heads) over its sequence's pages; returns false on a bad block id.
-template <typename T>
-bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer, T* out, const Item& item,
+// T: q's and the output's element (float, or bfloat16 words); P: the pages' (T, or E4M3).
+template <typename T, typename P>
+bool AttendItem(const Problem& p, const T* q, const P* k_layer, const P* v_layer, T* out, const Item& item,
                 std::vector<float>& scratch) {
   const int G = p.group, D = p.head_dim, Hk = p.num_kv_heads, B = p.block_size;
   const int n = item.rows * G;  // query vectors per KV head
@@ -617,7 +654,7 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
   const int first_pos = p.kv_lens[item.seq] - q_len + item.row0;
   const int last_pos = first_pos + item.rows - 1;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same<T, uint16_t>::value) {
+  if constexpr (std::is_same<T, uint16_t>::value && std::is_same<P, uint16_t>::value) {
     // D of 32 to 128 words, and 256 (Gemma's heads); 160 to 224 take the float path.
     if (p.window <= 0 && p.soft_cap == 0.0f && B % 2 == 0 && D % 32 == 0 && (D <= 128 || D == 256)) {
       const int64_t at = static_cast<int64_t>(q_start + item.row0) * Hk * G * D;
@@ -642,7 +679,7 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
   const int n8 = n / 8 * 8;  // query vectors taken eight at a time (prefill tiles); the rest in small groups
   // bfloat16 rows in threes where threes divide the rest (SmolLM2's decode rows), else one by one: twos measured
   // slower (four query heads a KV head), and so did threes of float32 rows, which need no widening to share.
-  const int group = !std::is_same<T, float>::value && (n - n8) % kGroup == 0 ? kGroup : 1;
+  const int group = !std::is_same<P, float>::value && (n - n8) % kGroup == 0 ? kGroup : 1;
   const bool shared = n > kGroup;  // rows that several groups use are widened once, into float buffers
   scratch.resize(static_cast<size_t>(Hk) * n * (3 * D + 2) + static_cast<size_t>(n) * B + 2 * B * D);
   float* queries = scratch.data();                         // [Hk][n][D], scaled
@@ -654,7 +691,7 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
   float* value_buffer = key_buffer + static_cast<size_t>(B) * D;
   float* queries_t = value_buffer + static_cast<size_t>(B) * D;  // [Hk][n/8][D][8] (of the first n8)
   std::vector<const float*> keys(B), values(B);        // rows as floats, where they are `shared`
-  std::vector<const T*> page_keys(B), page_values(B);  // the page's own rows
+  std::vector<const P*> page_keys(B), page_values(B);  // the page's own rows
 
   for (int r = 0; r < item.rows; ++r) {
     const T* row = q + static_cast<int64_t>(q_start + item.row0 + r) * Hk * G * D;
@@ -676,7 +713,7 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
 
   const int first_key = p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
   const int32_t* table = p.block_tables + static_cast<int64_t>(item.seq) * p.table_width;
-  const int64_t block_bytes = B * row_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t block_bytes = B * row_stride * static_cast<int64_t>(sizeof(P));
   const bool stream = 2 * block_bytes <= kStreamBytes;
   for (int b = first_key / B; b <= last_pos / B; ++b) {
     const int block = table[b];
@@ -685,8 +722,8 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
     const int num_keys = std::min(B, last_pos + 1 - key0);
     // Every row sees every key of the block: no mask to apply (always so for a decode row).
     const bool all_visible = key0 + num_keys - 1 <= first_pos && (p.window <= 0 || key0 > last_pos - p.window);
-    const T* k_block = k_layer + static_cast<int64_t>(block) * B * row_stride;
-    const T* v_block = v_layer + static_cast<int64_t>(block) * B * row_stride;
+    const P* k_block = k_layer + static_cast<int64_t>(block) * B * row_stride;
+    const P* v_block = v_layer + static_cast<int64_t>(block) * B * row_stride;
     if (stream) Touch(k_block, v_block, block_bytes);
     // Meanwhile the next block is requested into L1 and the one after into L2, a head's share at a time: the heads'
     // strided passes then find them in cache, and more of the pages are on their way at once (scripts/KERNELS.md
@@ -778,7 +815,7 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
     for (int h = 0; h < Hk; ++h)
       for (int g = 0; g < G; ++g) {
         const size_t i = static_cast<size_t>(h) * n + r * G + g;
-        const float inv = 1.0f / std::max(denom[i], 1e-30f);
+        const float inv = p.v_scale / std::max(denom[i], 1e-30f);
         const float* a = acc + i * D;
         T* dst = row + (h * G + g) * D;
         for (int d = 0; d < D; ++d) FromFloat(a[d] * inv, dst + d);
@@ -787,8 +824,8 @@ bool AttendItem(const Problem& p, const T* q, const T* k_layer, const T* v_layer
   return true;
 }
 
-template <typename T>
-ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, const T* q, const T* k_layer, const T* v_layer, T* out,
+template <typename T, typename P>
+ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, const T* q, const P* k_layer, const P* v_layer, T* out,
                int num_seqs, int64_t num_tokens) {
   std::memset(out, 0, static_cast<size_t>(num_tokens) * p.num_kv_heads * p.group * p.head_dim * sizeof(T));
   std::vector<Item> items;
@@ -811,15 +848,19 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
                           ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
+                          ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                           ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
   auto qd = q.dimensions();    // [T, Hq, D]
   auto kd = k_cache.dimensions();  // [L, N, B, Hk, D]
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("expected q [T,Hq,D], cache [L,N,B,Hk,D]");
   const auto dtype = q.element_type();
   // A bfloat16 pool may also come as its raw 16-bit words (U16): the runner stores it so on CPU (model_runner.py).
-  auto holds = [dtype](ffi::DataType t) { return t == dtype || (dtype == ffi::DataType::BF16 && t == ffi::DataType::U16); };
-  if (!holds(k_cache.element_type()) || !holds(v_cache.element_type()) || out->element_type() != dtype)
-    return ffi::Error::InvalidArgument("q, the caches and the output must share one dtype");
+  // Any pool may be float8_e4m3fn.
+  const auto pages = k_cache.element_type();
+  const bool fp8 = pages == ffi::DataType::F8E4M3FN;
+  const bool same = pages == dtype || (dtype == ffi::DataType::BF16 && pages == ffi::DataType::U16);
+  if (!(fp8 || same) || v_cache.element_type() != pages || out->element_type() != dtype)
+    return ffi::Error::InvalidArgument("q and the output must share one dtype, the caches q's or float8_e4m3fn");
   const int num_layers = static_cast<int>(kd[0]);
   const int layer_index = layer.typed_data()[0];
   if (layer_index < 0 || layer_index >= num_layers) return ffi::Error::InvalidArgument("layer out of range");
@@ -830,7 +871,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   p.block_size = static_cast<int>(kd[2]);
   p.num_blocks = static_cast<int>(kd[1]);
   p.table_width = static_cast<int>(block_tables.dimensions()[1]);
-  p.scale = sm_scale;
+  p.scale = sm_scale * k_scale.typed_data()[0];
+  p.v_scale = v_scale.typed_data()[0];
   p.soft_cap = soft_cap;
   p.window = window.typed_data()[0];
   p.kv_lens = kv_lens.typed_data();
@@ -839,6 +881,16 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   const int num_seq_slots = static_cast<int>(kv_lens.dimensions()[0]);
   const int live = std::clamp(num_seqs.typed_data()[0], 0, num_seq_slots);
   const int64_t layer_offset = static_cast<int64_t>(layer_index) * kd[1] * kd[2] * kd[3] * kd[4];
+  if (fp8) {
+    auto* k = static_cast<const E4M3*>(k_cache.untyped_data()) + layer_offset;
+    auto* v = static_cast<const E4M3*>(v_cache.untyped_data()) + layer_offset;
+    if (dtype == ffi::DataType::F32)
+      return Run(pool, p, static_cast<const float*>(q.untyped_data()), k, v,
+                 static_cast<float*>(out->untyped_data()), live, qd[0]);
+    if (dtype == ffi::DataType::BF16)
+      return Run(pool, p, static_cast<const uint16_t*>(q.untyped_data()), k, v,
+                 static_cast<uint16_t*>(out->untyped_data()), live, qd[0]);
+  }
   if (dtype == ffi::DataType::F32) {
     auto* k = static_cast<const float*>(k_cache.untyped_data()) + layer_offset;
     auto* v = static_cast<const float*>(v_cache.untyped_data()) + layer_offset;
@@ -868,6 +920,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()    // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()    // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()    // window [1], <= 0: none
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // k_scale [1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // v_scale [1]
                                   .Ret<ffi::AnyBuffer>()           // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap"));
