@@ -420,3 +420,145 @@ def test_a_function_jitted_once_serves_every_window_value_and_none_at_or_below_z
         )
         assert relative_error(out, expected, step) < TOLERANCE[cfg.dtype], f"window {window}"
     assert len(traces) == 1
+
+
+# FP8 pages (`--kv-cache-dtype fp8`): stored = e4m3(k / k_scale), read as float(stored) * k_scale, a K and a V scale
+# per layer, given as data (`k_scales[layer]` in the scan over the layers).
+FP8_LAYER_SCALES = ((0.05, 3.0), (3.0, 0.05), (0.5, 1.0))  # (k_scale, v_scale) of each layer
+FP8_CASES = [
+    # kernel, q dtype, KV heads, group, head dim, windows per layer (None: no window argument at all)
+    (kernel, "float32", 4, 2, 64, None)
+    for kernel in STACKED
+] + [(kernel, "bfloat16", 4, 2, 256, LAYER_WINDOWS) for kernel in STACKED]
+
+
+def fp8_pages(values: np.ndarray, scales: np.ndarray) -> tuple[jax.Array, np.ndarray]:
+    """Pages [L, ...] quantised with each layer's scale, and the float64 values they read as (float * scale)."""
+    scales = np.asarray(scales, np.float64).reshape(-1, *[1] * (values.ndim - 1))
+    pages = jnp.asarray(values / scales, jnp.float8_e4m3fn)
+    return pages, np.asarray(pages.astype(jnp.float32), np.float64) * scales
+
+
+@pytest.mark.parametrize(
+    ("kernel", "dtype", "num_kv_heads", "group", "head_dim", "windows"),
+    FP8_CASES,
+    ids=[f"{c[0]}-{c[1]}-D{c[4]}{'-windows' if c[5] else ''}" for c in FP8_CASES],
+)
+def test_fp8_pages_read_as_their_values_times_each_layers_scales(
+    kernel, dtype, num_kv_heads, group, head_dim, windows
+):
+    """Random K/V quantised to float8_e4m3fn with per-layer scales (0.05 to 3.0), read in one jitted scan over the
+    layers with the scales (and windows) as data: each layer is the float64 oracle's on the dequantised pages."""
+    cfg = Config(kernel, dtype, 16, num_kv_heads, group, head_dim, GEMMA_BUCKET)
+    rng = np.random.default_rng(zlib.crc32(f"fp8-{cfg.id}".encode()))
+    step = step_of_lengths(rng, cfg, GEMMA_Q_LENS, GEMMA_KV_LENS, num_layers=len(FP8_LAYER_SCALES))
+    k_scales, v_scales = (np.array(s, np.float32) for s in zip(*FP8_LAYER_SCALES, strict=True))
+    k_cache, k_values = fp8_pages(step["k_pages"] * k_scales[:, None, None, None, None], k_scales)
+    v_cache, v_values = fp8_pages(step["v_pages"] * v_scales[:, None, None, None, None], v_scales)
+    q, _, _, *metadata = device_args(step, cfg.dtype)
+    traces = []
+
+    @jax.jit
+    def all_layers(k_scales, v_scales, windows):
+        traces.append(1)
+
+        def attend(_, layer):
+            options = dict(
+                sm_scale=sm_scale(cfg),
+                sliding_window=None if windows is None else windows[layer],
+                k_scale=k_scales[layer],
+                v_scale=v_scales[layer],
+            )
+            return None, STACKED[kernel](q, k_cache, v_cache, layer, *metadata, **options)
+
+        return lax.scan(attend, None, jnp.arange(len(FP8_LAYER_SCALES), dtype=jnp.int32))[1]
+
+    layer_windows = None if windows is None else jnp.array(windows, jnp.int32)
+    out = np.asarray(
+        all_layers(jnp.asarray(k_scales), jnp.asarray(v_scales), layer_windows).astype(jnp.float32)
+    )
+    assert len(traces) == 1
+    for layer in range(len(FP8_LAYER_SCALES)):
+        expected = ragged_paged_attention_numpy(
+            q.astype(jnp.float32),
+            k_values[layer],
+            v_values[layer],
+            *metadata,
+            sm_scale=sm_scale(cfg),
+            sliding_window=None if windows is None else window_of(windows[layer]),
+        )
+        assert relative_error(out[layer], expected, step) < TOLERANCE[cfg.dtype], f"layer {layer}"
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu", "pallas"])
+def test_the_package_entry_point_reads_fp8_pages_with_python_float_scales(impl):
+    cfg = dataclasses.replace(CPU_F32, num_kv_heads=4, group=2, bucket=DECODE)
+    step = draw_step(np.random.default_rng(17), cfg)
+    k_pages, k_values = fp8_pages(step["k_pages"][None] * 0.05, np.array([0.05]))
+    v_pages, v_values = fp8_pages(step["v_pages"][None] * 3.0, np.array([3.0]))
+    q, _, _, *metadata = device_args(step, cfg.dtype)
+    call = functools.partial(
+        ragged_paged_attention, sm_scale=sm_scale(cfg), k_scale=0.05, v_scale=3.0, impl=impl
+    )
+    out = np.asarray(jax.jit(call)(q, k_pages[0], v_pages[0], *metadata))
+    expected = ragged_paged_attention_numpy(q, k_values[0], v_values[0], *metadata, sm_scale=sm_scale(cfg))
+    assert relative_error(out, expected, step) < TOLERANCE[cfg.dtype]
+
+
+@pytest.mark.parametrize(
+    ("kernel", "dtype"), [(k, "float32") for k in STACKED] + [("cpu", "bfloat16"), ("reference", "bfloat16")]
+)
+def test_kv_scales_multiply_pages_of_any_dtype(kernel, dtype):
+    """A scale with float32 or bfloat16 pages reads them scaled too (a model may always pass its layers' scales);
+    bfloat16 on the C++ kernel: its AVX-512-BF16 paths, where the CPU has them (decode rows and prefill tiles)."""
+    cfg = Config(
+        kernel, dtype, 16, 4, 2, 32, Bucket(num_tokens=48, num_seq_slots=4, max_q_len=30, max_context=30)
+    )
+    step = step_of_lengths(np.random.default_rng(19), cfg, [1, 30, 17], [45, 50, 17], num_layers=1)
+    q, k_cache, v_cache, *metadata = device_args(step, cfg.dtype)
+    scales = dict(k_scale=jnp.float32(0.25), v_scale=jnp.array([2.0], jnp.float32))
+    out = jax.jit(functools.partial(STACKED[kernel], sm_scale=sm_scale(cfg), **scales))(
+        q, k_cache, v_cache, jnp.int32(0), *metadata
+    )
+    k_values, v_values = (np.asarray(x[0].astype(jnp.float32)) for x in (k_cache, v_cache))
+    expected = ragged_paged_attention_numpy(
+        q.astype(jnp.float32), k_values * 0.25, v_values * 2.0, *metadata, sm_scale=sm_scale(cfg)
+    )
+    assert relative_error(np.asarray(out.astype(jnp.float32)), expected, step) < TOLERANCE[cfg.dtype]
+
+
+BAD_FP8_INPUTS = {
+    "float16 q over fp8 pages": (dict(q_dtype=jnp.float16), "q dtype"),
+    "k_scale of two elements": (dict(k_scale=jnp.ones((2,), jnp.float32)), "k_scale"),
+    "int32 v_scale": (dict(v_scale=jnp.ones((1,), jnp.int32)), "v_scale"),
+    "negative k_scale": (dict(k_scale=-1.0), "k_scale"),
+    "a string v_scale": (dict(v_scale="1.0"), "v_scale"),
+    "fp8 k_pages, float32 v_pages": (dict(v_dtype=jnp.float32), "v_pages dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FP8_INPUTS))
+@pytest.mark.parametrize("kernel", list(STACKED))
+def test_bad_fp8_inputs_raise_value_error_naming_the_field(kernel, case):
+    changes, field = BAD_FP8_INPUTS[case]
+    changes = dict(changes)
+    cfg = Config(kernel, "float32", 16, 4, 2, 32, DECODE)
+    step = step_of_lengths(np.random.default_rng(23), cfg, [1], [5], num_layers=1)
+    q, k_cache, v_cache, *metadata = device_args(step, cfg.dtype)
+    q = q.astype(changes.pop("q_dtype", q.dtype))
+    k_cache = k_cache.astype(jnp.float8_e4m3fn)
+    v_cache = v_cache.astype(changes.pop("v_dtype", jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match=field):
+        STACKED[kernel](q, k_cache, v_cache, jnp.int32(0), *metadata, sm_scale=0.1, **changes)
+
+
+def test_the_tpu_kernels_e4m3_decoding_gives_every_finite_value():
+    """On a TPU the kernel decodes fp8 pages from their bits with integer operations (the simulator reads them
+    directly): every finite e4m3 value, subnormals and signed zeros included, comes out exact."""
+    bits = np.arange(256, dtype=np.uint8)
+    values = np.asarray(jnp.asarray(bits).view(jnp.float8_e4m3fn).astype(jnp.float32))
+    decoded = np.asarray(jax.jit(tpu._e4m3_to_float32)(jnp.asarray(bits, jnp.int32)))
+    finite = np.isfinite(values)
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(decoded[finite], values[finite])
+    np.testing.assert_array_equal(np.signbit(decoded[finite]), np.signbit(values[finite]))

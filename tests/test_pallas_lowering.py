@@ -153,3 +153,40 @@ def test_lowering_rejects_a_3x5_float32_block_so_these_checks_can_fail(platform,
     export_text(good, platform, [x])
     with pytest.raises(ValueError, match=message):
         export_text(bad, platform, [x])
+
+
+@pytest.mark.parametrize(
+    ("module", "platform", "call"),
+    [(gpu, "cuda", TRITON_CALL), (tpu, "tpu", MOSAIC_TPU_CALL)],
+    ids=["gpu", "tpu"],
+)
+@pytest.mark.parametrize(
+    ("model", "bucket", "q_dtype"),
+    [
+        ("gemma2-2b", "decode", jnp.bfloat16),
+        ("gemma2-2b", "prefill", jnp.bfloat16),
+        ("llama3-8b", "decode", jnp.float32),
+    ],
+)
+def test_kernels_lower_over_fp8_pages_with_each_layers_scales_as_data(
+    module, platform, call, model, bucket, q_dtype
+):
+    """`--kv-cache-dtype fp8`: float8_e4m3fn pages under bfloat16 or float32 queries, each layer's K and V scales
+    (and window) indexed from arrays inside the scan over the layers: one kernel in the step."""
+    heads = {"gemma2-2b": GEMMA2_2B, "llama3-8b": (32, 8, 128)}[model]
+    q, k_pages, _, *metadata = step_shapes(bucket, heads, q_dtype)
+    num_layers = 3
+    stacked_cache = jax.ShapeDtypeStruct((num_layers, *k_pages.shape), jnp.float8_e4m3fn)
+    windows = jax.ShapeDtypeStruct((num_layers,), jnp.int32)
+    scales = jax.ShapeDtypeStruct((num_layers,), jnp.float32)
+    attend = functools.partial(module.ragged_paged_attention_stacked, sm_scale=0.0625, logits_soft_cap=50.0)
+
+    def all_layers(q, k_cache, v_cache, windows, k_scales, v_scales, *metadata):
+        def layer(x, i):
+            options = dict(sliding_window=windows[i], k_scale=k_scales[i], v_scale=v_scales[i])
+            return attend(x, k_cache, v_cache, i, *metadata, **options), None
+
+        return lax.scan(layer, q, jnp.arange(num_layers, dtype=jnp.int32))[0]
+
+    args = [q, stacked_cache, stacked_cache, windows, scales, scales, *metadata]
+    assert export_text(all_layers, platform, args).count(f"custom_call @{call}(") == 1

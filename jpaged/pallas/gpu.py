@@ -13,6 +13,9 @@ preprocessing is needed, and tiles past their sequence's queries exit at once. E
 only the KV positions its queries can see: its sequence's own pages, up to its last query's causal position (and
 from its first query's sliding-window start). Softmax is online, in float32.
 
+FP8 pages (float8_e4m3fn) are loaded as they are and widened to q's dtype in registers before the dots; the K scale
+multiplies the scores' scale and the V scale the output (operands, so one program serves every layer's).
+
 Tilings are static: a decode-heavy step (T <= 2 S) uses 16-row tiles, anything else 64-row tiles.
 
 Split-KV (flash-decoding): a decode bucket with few sequence slots would give the GPU only Hk x S programs (3 x 1
@@ -37,6 +40,7 @@ from jpaged.pallas.common import (
     check_inputs,
     find_tile_sequence,
     over_pages,
+    scale_operand,
     unbounded_if_none,
     window_operand,
 )
@@ -79,6 +83,7 @@ def choose_num_splits(num_tokens: int, num_seq_slots: int, num_kv_heads: int, ma
 def _kernel(
     layer_ref,  # [1]
     window_ref,  # [1], <= 0: no window (read only when `windowed`)
+    kv_scales_ref,  # [2] float32: k_scale, v_scale
     kv_lens_ref,  # [S]
     block_tables_ref,  # [S, P]
     query_start_ref,  # [S + 1]
@@ -141,6 +146,7 @@ def _kernel(
         kv_begin = kv_begin // block_size * block_size
         num_steps = pl.cdiv(kv_end - kv_begin, kv_tokens)
         precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # DEFAULT would mean TF32
+        score_scale = sm_scale * kv_scales_ref[0]
 
         def step(i, carry):
             m, denom, acc = carry
@@ -151,12 +157,14 @@ def _kernel(
             # Masked-off slots are never read: stale (even NaN) cache contents cannot leak in.
             kv_mask = in_seq[:, None] & dim_ok
             kv_idx = (layer, block[:, None], (k_pos % block_size)[:, None], dim_idx)
-            k = pltriton.load(k_ref.at[kv_idx], mask=kv_mask, other=0)  # [kv_tokens, lanes]
-            v = pltriton.load(v_ref.at[kv_idx], mask=kv_mask, other=0)
+            # `other` a float: Triton casts it to the pages' type, which for fp8 it does from floats only.
+            k = pltriton.load(k_ref.at[kv_idx], mask=kv_mask, other=0.0)  # [kv_tokens, lanes]
+            v = pltriton.load(v_ref.at[kv_idx], mask=kv_mask, other=0.0)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)  # fp8 pages widened; a no-op for the others
             scores = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
             )
-            scores = scores * sm_scale
+            scores = scores * score_scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
@@ -185,6 +193,7 @@ def _kernel(
         first_step = split * steps_per_split
         last_step = jnp.minimum(first_step + steps_per_split, num_steps)
         m, denom, acc = lax.fori_loop(first_step, last_step, step, init)
+        acc = acc * kv_scales_ref[1]
         store_mask = row_valid[:, None] & dim_ok
         if num_splits == 1:
             (out_ref,) = results
@@ -211,6 +220,8 @@ def ragged_paged_attention_stacked(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
     interpret: bool = False,
     tiling: GpuTiling | None = None,
     num_splits: int | None = None,
@@ -220,7 +231,17 @@ def ragged_paged_attention_stacked(
     `tiling` and `num_splits` override the static choices (tests use them to run every path on any shapes).
     """
     check_inputs(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start, num_seqs, sliding_window, logits_soft_cap
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start,
+        num_seqs,
+        sliding_window,
+        logits_soft_cap,
+        k_scale,
+        v_scale,
     )
     if k_cache.ndim != 5:
         raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
@@ -264,6 +285,7 @@ def ragged_paged_attention_stacked(
     metadata = (
         jnp.reshape(layer, (1,)).astype(jnp.int32),
         window,
+        jnp.concatenate([scale_operand(k_scale), scale_operand(v_scale)]),
         kv_lens,
         block_tables,
         query_start,

@@ -12,9 +12,14 @@ once per tile whatever the GQA ratio. Output rows go back by DMA; a tile writes 
 to the next sequence are rewritten by that sequence's tiles, which run later — hence the grid axis is sequential
 ("arbitrary"), never "parallel".
 
-Layout limits come from Mosaic tiling: Hk must tile VMEM without padding — float32: 1, 2, 4, 8 or a multiple of
-8; bfloat16: 2, 4, 8, 16 or a multiple of 16 — and B must divide 128 (or be a multiple of it). Other shapes raise
-ValueError; use the XLA reference there.
+FP8 pages (float8_e4m3fn) come into VMEM as they are; each head's rows are taken out as 32-bit words of four rows
+and decoded to float32 with integer operations (no fp8 arithmetic asked of the TPU), then widened or narrowed to
+q's dtype before the dots. The K scale multiplies the scores' scale and the V scale the output, both scalars
+prefetched into SMEM beside the window.
+
+Layout limits come from Mosaic tiling: Hk must tile VMEM without padding (by the pages' dtype) — float32: 1, 2, 4, 8
+or a multiple of 8; bfloat16: 2, 4, 8, 16 or a multiple of 16; float8_e4m3fn: 4, 8, 16, 32 or a multiple of 32 —
+and B must divide 128 (or be a multiple of it). Other shapes raise ValueError; use the XLA reference there.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jpaged.pallas.common import (
+    FP8_PAGES,
     NEG_INF,
     check_inputs,
     find_tile_sequence,
     over_pages,
+    scale_operand,
     unbounded_if_none,
     window_operand,
 )
@@ -48,9 +55,12 @@ def _packing(dtype) -> int:
 
 
 def check_tpu_layout(num_kv_heads: int, block_size: int, head_dim: int, dtype) -> None:
-    """Raises ValueError for head counts, block sizes and head dims this kernel cannot lay out in VMEM."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"q dtype must be float32 or bfloat16 on TPU, got {jnp.dtype(dtype)}")
+    """Raises ValueError for head counts, block sizes and head dims this kernel cannot lay out in VMEM, for pages
+    of `dtype`."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), FP8_PAGES):
+        raise ValueError(
+            f"k_pages dtype must be float32, bfloat16 or float8_e4m3fn on TPU, got {jnp.dtype(dtype)}"
+        )
     packing = _packing(dtype)
     per_tile = num_kv_heads // packing
     if num_kv_heads % packing or not (per_tile in (1, 2, 4, 8) or per_tile % 8 == 0):
@@ -97,16 +107,31 @@ def _take_head(buf, slot, head: int, interpret: bool) -> jax.Array:
     rows = buf.at[slot].reshape(kv_tokens * num_heads, head_dim)
     if buf.dtype == jnp.float32:
         return rows[pl.ds(head, kv_tokens, stride=num_heads), :]
+    if buf.dtype == FP8_PAGES:  # rows 4j .. 4j + 3 share a word, 4j in the low byte
+        words = rows.bitcast(jnp.int32)[pl.ds(head // 4, kv_tokens, stride=num_heads // 4), :]
+        return _e4m3_to_float32(jnp.bitwise_and(jnp.right_shift(words, 8 * (head % 4)), jnp.int32(0xFF)))
     words = rows.bitcast(jnp.int32)  # row pairs (2j, 2j + 1) share a word, 2j in the low half
     packed = words[pl.ds(head // 2, kv_tokens, stride=num_heads // 2), :]
     high = packed if head % 2 else jnp.left_shift(packed, 16)
     return pltpu.bitcast(jnp.bitwise_and(high, jnp.int32(-65536)), jnp.float32).astype(buf.dtype)
 
 
+def _e4m3_to_float32(bits: jax.Array) -> jax.Array:
+    """float8_e4m3fn values from their bits (int32 in [0, 256)) by integer operations: a normal number's exponent
+    and mantissa move into float32's fields, rebiased (7 to 127); a subnormal is its mantissa times 2^-9. The NaN
+    pattern reads as 480 (the cache never holds it)."""
+    magnitude = jnp.bitwise_and(bits, jnp.int32(0x7F))
+    normal = lax.bitcast_convert_type(jnp.left_shift(magnitude, 20) + jnp.int32(120 << 23), jnp.float32)
+    subnormal = magnitude.astype(jnp.float32) * jnp.float32(2.0**-9)
+    value = jnp.where(magnitude < 8, subnormal, normal)
+    return jnp.where(jnp.bitwise_and(bits, jnp.int32(0x80)) != 0, -value, value)
+
+
 def _kernel(
     # scalar prefetch (SMEM)
     layer_ref,  # [1]
     window_ref,  # [1], <= 0: no window (read only when `windowed`)
+    kv_scales_ref,  # [2] float32: k_scale, v_scale
     kv_lens_ref,  # [S]
     tables_ref,  # [S * P]
     query_start_ref,  # [S + 1]
@@ -192,6 +217,7 @@ def _kernel(
                 q_h = q_h.astype(jnp.float32)
             q_rows[h] = q_h.reshape(rows, head_dim).astype(q_rows.dtype)
 
+        score_scale = sm_scale * kv_scales_ref[0]
         row_token = first_token + lax.div(lax.broadcasted_iota(jnp.int32, (rows, kv_tokens), 0), group)
         q_pos = kv_len - q_len + row_token
 
@@ -217,6 +243,8 @@ def _kernel(
             for h in range(num_kv_heads):
                 k = _take_head(k_buf, slot, h, interpret)
                 v = _take_head(v_buf, slot, h, interpret)
+                if k_buf.dtype == FP8_PAGES:  # widened (from float32 on TPU) to q's dtype for the dots
+                    k, v = k.astype(q_buf.dtype), v.astype(q_buf.dtype)
                 # Pages arrive whole: zero the slots past kv_len, whose stale contents (even NaN) p @ v would mix in.
                 v = jnp.where(v_rows < kv_len, v, jnp.zeros_like(v))
                 q_h = q_rows[h]
@@ -224,7 +252,7 @@ def _kernel(
                     lax.dot_general(
                         q_h, k.astype(q_h.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
                     )
-                    * sm_scale
+                    * score_scale
                 )
                 if soft_cap is not None:
                     scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -244,7 +272,7 @@ def _kernel(
         lax.fori_loop(0, num_steps, step_body, 0)
         for h in range(num_kv_heads):
             denom = _lanes(l_ref[h], head_dim)
-            out = acc_ref[h] / jnp.where(denom > 0, denom, 1.0)
+            out = acc_ref[h] * kv_scales_ref[1] / jnp.where(denom > 0, denom, 1.0)
             o_buf[:, h] = out.reshape(tile_tokens, group, head_dim).astype(o_buf.dtype)
         out_copy = pltpu.make_async_copy(o_buf, out_hbm.at[pl.ds(row0, tile_tokens)], io_sem)
         out_copy.start()
@@ -264,6 +292,8 @@ def ragged_paged_attention_stacked(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
     interpret: bool | pltpu.InterpretParams = False,
     tile_tokens: int | None = None,
 ) -> jax.Array:
@@ -273,13 +303,25 @@ def ragged_paged_attention_stacked(
     With `interpret=True` the kernel runs in Pallas' TPU simulator (DMAs, semaphores, NaN-filled scratch).
     """
     check_inputs(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start, num_seqs, sliding_window, logits_soft_cap
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start,
+        num_seqs,
+        sliding_window,
+        logits_soft_cap,
+        k_scale,
+        v_scale,
     )
     if k_cache.ndim != 5:
         raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    check_tpu_layout(num_kv_heads, block_size, head_dim, q.dtype)
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"q dtype must be float32 or bfloat16 on TPU, got {q.dtype}")
+    check_tpu_layout(num_kv_heads, block_size, head_dim, k_cache.dtype)
     num_seq_slots, table_width = block_tables.shape
     group = num_q_heads // num_kv_heads
     if tile_tokens is None:
@@ -303,6 +345,7 @@ def ragged_paged_attention_stacked(
     scalars = (
         jnp.reshape(layer, (1,)).astype(jnp.int32),
         window_operand(sliding_window),
+        jnp.concatenate([scale_operand(k_scale), scale_operand(v_scale)]),
         kv_lens,
         block_tables.reshape(-1),  # 1-D: a 2-D SMEM array pads its rows
         query_start,
