@@ -18,6 +18,9 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 RUNNERS = ("auto", "generate", "pooling")
 # vLLM's --quantization for a float checkpoint, quantised at load (online): W8A8 with dynamic per-token activations.
 QUANTIZATIONS = ("int8", "fp8")
+# vLLM's --kv-cache-dtype: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3") as float8 e4m3, half the
+# bytes of bfloat16 a token.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 CONVERTS = ("auto", "none", "embed")
 
 
@@ -49,6 +52,7 @@ class EngineConfig:
     runner: str = "auto"  # "generate", or "pooling" (embeddings; see RUNNERS)
     convert: str = "auto"  # "embed": the decoder's hidden states pooled as embeddings (see CONVERTS)
     quantization: str | None = None  # "int8" or "fp8": layer matrices held quantized (see QUANTIZATIONS)
+    kv_cache_dtype: str = "auto"  # "fp8": the KV pool in float8 e4m3 (see KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "tensor_parallel_size")
@@ -78,6 +82,7 @@ class EngineConfig:
         _one_of(self, "attention_impl", ATTENTION_IMPLS)
         _one_of(self, "runner", RUNNERS)
         _one_of(self, "convert", CONVERTS)
+        _one_of(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         if self.quantization is not None:
             _one_of(self, "quantization", QUANTIZATIONS)
             if self.tensor_parallel_size > 1:
@@ -88,6 +93,10 @@ class EngineConfig:
             raise ValueError(
                 "runner 'pooling' needs convert 'embed' (or 'auto'): a decoder model pools only when converted"
             )
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
     @property
     def is_pooling(self) -> bool:

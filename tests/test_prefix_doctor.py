@@ -45,7 +45,7 @@ def test_the_engines_hint_diagnoses_its_first_requests_once_and_names_one():
     assert hint.observe("req-after", [9100, 9101] + BODY) is None and not hint.sample  # once, then forgotten
 
 
-def plan(capsys, traffic: str) -> str:
+def plan(capsys, traffic: str, *extra: str) -> str:
     flags = [
         "--traffic",
         str(DATA / traffic),
@@ -53,6 +53,7 @@ def plan(capsys, traffic: str) -> str:
         "8000000000",
         "--gpu-memory-utilization",
         "0.5",
+        *extra,
     ]
     assert main(["--log-level", "WARNING", "plan", *flags]) == 0
     return capsys.readouterr().out

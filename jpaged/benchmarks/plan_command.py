@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from jpaged.config import KV_CACHE_DTYPES
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -14,7 +16,16 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traffic", required=True, help="JSONL of {prompt | messages, response}")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="the KV cache's dtype"
+        "--dtype",
+        choices=sorted(DTYPE_BYTES),
+        default="bfloat16",
+        help="the model's dtype (and the KV cache's)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8 (= fp8_e4m3): the KV cache in float8, one byte an element",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -46,7 +57,8 @@ def run_plan(args: argparse.Namespace) -> int:
     mc, tp, dtype_bytes = model.config, args.tensor_parallel_size, DTYPE_BYTES[args.dtype]
     check_tensor_parallel_size(tp, mc)
     kv_heads = tensor_parallel_config(tp, mc).num_kv_heads // tp
-    bytes_per_token = kv_bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, dtype_bytes)
+    kv_bytes = 1 if args.kv_cache_dtype != "auto" else dtype_bytes
+    bytes_per_token = kv_bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, kv_bytes)
     weight_bytes = param_stats(model.params)[0] * dtype_bytes // tp
     num_blocks = determine_num_blocks(
         block_size=args.block_size,
@@ -75,7 +87,8 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         budget = f"{args.kv_cache_memory:,} bytes"
     print(
-        f"model {model.source.path} ({mc.architecture}), KV cache in {args.dtype}, tensor_parallel_size {tp}"
+        f"model {model.source.path} ({mc.architecture}), weights in {args.dtype}, KV cache in "
+        f"{args.dtype if args.kv_cache_dtype == 'auto' else 'float8 e4m3'}, tensor_parallel_size {tp}"
     )
     print(f"KV cache memory per device: {budget}; traffic {args.traffic}\n")
     print("\n".join(plan.lines()))

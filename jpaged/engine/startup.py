@@ -55,7 +55,7 @@ def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) 
     max_model_len sequence cannot fit. Memory is per device: with tensor parallelism each device holds its share
     of the weights and of every block (its KV heads)."""
     mc, params = model.config, model.params
-    dtype_bytes = params_dtype(params).itemsize
+    dtype_bytes = 1 if config.fp8_kv_cache else params_dtype(params).itemsize  # of a KV element
     tp = config.tensor_parallel_size
     check_tensor_parallel_size(tp, mc)
     bytes_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_bytes)

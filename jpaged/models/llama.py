@@ -448,7 +448,10 @@ def forward(
 
 def as_stored(x: jax.Array, dtype) -> jax.Array:
     """x as the pool stores it: its dtype, or its raw words where the pool keeps a 16-bit float as uint16 (see
-    KVCache)."""
+    KVCache); float8 e4m3 saturated at its largest finite value (e4m3fn has no infinity: past it is NaN)."""
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        limit = float(jnp.finfo(jnp.float8_e4m3fn).max)
+        return jnp.clip(x.astype(jnp.float32), -limit, limit).astype(dtype)
     if jnp.dtype(dtype) == jnp.uint16:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     return x.astype(dtype)
