@@ -27,8 +27,10 @@ class StepBatch(NamedTuple):
 
 
 class KVCache(NamedTuple):
-    """The paged pool, in the model's dtype, or for a bfloat16 model on CPU its raw 16-bit words (uint16): XLA CPU
-    widens every write into a bfloat16 pool to a float32 copy of the whole pool and back (scripts/KERNELS.md)."""
+    """The paged pool, in the model's dtype (or float8 e4m3, `--kv-cache-dtype fp8`), or for the C++ attention on
+    CPU as raw words: a bfloat16 pool as uint16 (XLA CPU widens every write into a bfloat16 pool to a float32 copy
+    of the whole pool and back, scripts/KERNELS.md), an e4m3 one as uint8 (XLA CPU copies a whole float8 array on
+    every in-place write: 1.1 s a GiB)."""
 
     k: jax.Array  # [L, N, B, Hk, Dh]
     v: jax.Array

@@ -447,11 +447,14 @@ def forward(
 
 
 def as_stored(x: jax.Array, dtype) -> jax.Array:
-    """x as the pool stores it: its dtype, or its raw words where the pool keeps a 16-bit float as uint16 (see
-    KVCache); float8 e4m3 saturated at its largest finite value (e4m3fn has no infinity: past it is NaN)."""
-    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+    """x as the pool stores it: its dtype, or its raw words where the pool keeps a 16-bit float as uint16 or e4m3 as
+    uint8 (see KVCache); e4m3 saturated at its largest finite value (e4m3fn has no infinity: past it is NaN)."""
+    if jnp.dtype(dtype) in (jnp.float8_e4m3fn, jnp.uint8):
         limit = float(jnp.finfo(jnp.float8_e4m3fn).max)
-        return jnp.clip(x.astype(jnp.float32), -limit, limit).astype(dtype)
+        e4m3 = jnp.clip(x.astype(jnp.float32), -limit, limit).astype(jnp.float8_e4m3fn)
+        return (
+            e4m3 if jnp.dtype(dtype) == jnp.float8_e4m3fn else jax.lax.bitcast_convert_type(e4m3, jnp.uint8)
+        )
     if jnp.dtype(dtype) == jnp.uint16:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     return x.astype(dtype)

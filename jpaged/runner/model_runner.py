@@ -112,8 +112,10 @@ class ModelRunner:
         # The C++ kernel reads a bfloat16 pool as its 16-bit words, which XLA writes in place (see KVCache).
         words = self.attention_impl == "cpu" and self.dtype == jnp.bfloat16
         self.kv_dtype = jnp.dtype(jnp.uint16) if words else self.dtype
-        if config.fp8_kv_cache:
-            self.kv_dtype = jnp.dtype(jnp.float8_e4m3fn)
+        if (
+            config.fp8_kv_cache
+        ):  # as its bytes for the C++ kernel: XLA CPU copies a float8 pool on every write
+            self.kv_dtype = jnp.dtype(jnp.uint8 if self.attention_impl == "cpu" else jnp.float8_e4m3fn)
         self.kv_cache = self._allocate_kv_cache()
         # Each step's sampled tokens, which the next step may take its inputs from (device_step.py).
         replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh else None

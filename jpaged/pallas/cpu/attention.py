@@ -81,6 +81,8 @@ def ragged_paged_attention_stacked(
     pages = [k_cache, v_cache]
     if k_cache.dtype == jnp.uint16 and q.dtype == jnp.bfloat16:  # a bfloat16 pool stored as its 16-bit words
         pages = [jax.ShapeDtypeStruct(x.shape, q.dtype) for x in pages]
+    if k_cache.dtype == jnp.uint8:  # an e4m3 pool stored as its bytes
+        pages = [jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn) for x in pages]
     check_inputs(
         q,
         *pages,

@@ -854,10 +854,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   auto kd = k_cache.dimensions();  // [L, N, B, Hk, D]
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("expected q [T,Hq,D], cache [L,N,B,Hk,D]");
   const auto dtype = q.element_type();
-  // A bfloat16 pool may also come as its raw 16-bit words (U16): the runner stores it so on CPU (model_runner.py).
-  // Any pool may be float8_e4m3fn.
+  // A bfloat16 pool may also come as its raw 16-bit words (U16), an e4m3 one as its bytes (U8): the runner stores
+  // them so on CPU, where XLA writes those in place (model_runner.py). Any pool may be float8_e4m3fn.
   const auto pages = k_cache.element_type();
-  const bool fp8 = pages == ffi::DataType::F8E4M3FN;
+  const bool fp8 = pages == ffi::DataType::F8E4M3FN || pages == ffi::DataType::U8;
   const bool same = pages == dtype || (dtype == ffi::DataType::BF16 && pages == ffi::DataType::U16);
   if (!(fp8 || same) || v_cache.element_type() != pages || out->element_type() != dtype)
     return ffi::Error::InvalidArgument("q and the output must share one dtype, the caches q's or float8_e4m3fn");
