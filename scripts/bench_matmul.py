@@ -7,7 +7,7 @@ before the kernel: each layer's matrices as separate arrays, stored [out, in] an
 (the faster of XLA's options at small row counts). Median of --repeats.
 
 --gated times the MLP the two ways the engine can run it: the kernel's gate_up product [rows, 3072] then XLA's
-silu(gate) * up (models.llama.act_and_mul), against the kernel's gated form, which computes the activation on the
+silu(gate) * up (models.products.act_and_mul), against the kernel's gated form, which computes the activation on the
 sums as it stores them (the engine's choice where gate and up are multiples of 16 wide); the down product after
 either.
 
@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path when run)
 
-from jpaged.models.llama import act_and_mul  # noqa: E402
+from jpaged.models.products import act_and_mul  # noqa: E402
 from jpaged.pallas.cpu import matmul as cpu_matmul  # noqa: E402
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N) per layer, in order

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.models.llama import act_and_mul
+from jpaged.models.products import act_and_mul
 from jpaged.pallas.cpu import library
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
@@ -195,7 +195,7 @@ def test_the_gated_form_gives_silu_of_gate_times_up_in_float64_numpy(m, k, f, dt
 
 
 def test_the_gated_form_gives_the_unfused_products_bits_in_bfloat16():
-    """The same bits as the [M, 2F] product followed by llama.py's act_and_mul (XLA's activation), so the
+    """The same bits as the [M, 2F] product followed by products.py's act_and_mul (XLA's activation), so the
     engine's bfloat16 output does not depend on which of the two it took."""
     rng = np.random.default_rng(9)
     w = jnp.asarray(rng.standard_normal((1, 576, 2 * 1536)) / 24, jnp.bfloat16)

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 from jpaged.models.config import ModelConfig
 from jpaged.models.families import FAMILIES, family_table
 from jpaged.models.llama import (
-    StackedProducts,
     StepBatch,
     abstract_params,
     forward,
@@ -26,6 +25,7 @@ from jpaged.models.llama import (
     partition_specs,
 )
 from jpaged.models.loader import load_model
+from jpaged.models.products import StackedProducts
 from jpaged.pallas.reference import paged_attention_stacked
 from jpaged.runner.weight_layout import choose_products
 

@@ -13,8 +13,8 @@ from test_models import PagedRun, relative_error
 
 from jpaged import LLM, SamplingParams
 from jpaged.config import EngineConfig
-from jpaged.models.llama import LAYER_MATRICES
 from jpaged.models.loader import load_model
+from jpaged.models.products import LAYER_MATRICES
 from jpaged.models.quantized import (
     QuantizedMatrix,
     QuantizedProducts,

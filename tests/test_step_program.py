@@ -14,7 +14,8 @@ from lowering import TRITON_CALL, export_text
 
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
-from jpaged.models.llama import STACKED, abstract_params, init_kv_cache, model_graphdef
+from jpaged.models.llama import abstract_params, init_kv_cache, model_graphdef
+from jpaged.models.products import STACKED
 from jpaged.pallas import gpu
 from jpaged.runner.device_step import bind_step, copy_blocks
 from jpaged.runner.packed_inputs import pack

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.config import QUANTIZATIONS
-from jpaged.models.llama import LAYER_MATRICES, StackedProducts
+from jpaged.models.products import LAYER_MATRICES, StackedProducts
 
 _LARGEST = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude each stores (e4m3's finite maximum)
 _DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.models.llama import KVCache, MatrixProducts
+from jpaged.models.llama import KVCache
+from jpaged.models.products import MatrixProducts
 from jpaged.runner.packed_inputs import unpack
 from jpaged.runner.sampler import gather_logprobs, sample
 from jpaged.sampling_params import MAX_LOGPROBS

@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
-from jpaged.models.llama import KVCache, StackedProducts, init_kv_cache, model_graphdef, params_dtype
+from jpaged.models.llama import KVCache, init_kv_cache, model_graphdef, params_dtype
+from jpaged.models.products import StackedProducts
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import huge_pages

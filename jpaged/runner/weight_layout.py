@@ -1,7 +1,7 @@
 """How the runner keeps the model's weights on its device, and the matrix products that read them.
 
 Accelerators, and a CPU where the C++ matmul kernel cannot be built, keep the loaders' stacks and XLA's dots
-(`models.llama.StackedProducts`). On CPU the four big matrices of each layer are kept as panels of 16 columns for
+(`models.products.StackedProducts`). On CPU the four big matrices of each layer are kept as panels of 16 columns for
 the kernel (jpaged/pallas/cpu/matmul.py), which reads a layer's matrix in place in the stack and computes only the
 step's live rows; the LM head as panels too (scripts/bench_matmul.py times it against XLA's dots).
 """
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jpaged.models.llama import LAYER_MATRICES, STACKED, MatrixProducts, act_and_mul, params_dtype
+from jpaged.models.llama import params_dtype
+from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, act_and_mul
 from jpaged.models.quantized import QuantizedProducts
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul

@@ -13,7 +13,7 @@ from jpaged.models.checkpoint import CheckpointedWeight
 from jpaged.models.config import ModelConfig
 from jpaged.models.fused_columns import replicate_kv_heads
 from jpaged.models.lazy_weights import LazyWeight
-from jpaged.models.llama import MatrixProducts
+from jpaged.models.products import MatrixProducts
 from jpaged.runner.tensor_parallel import place_restored, place_sharded
 
 

@@ -1,0 +1,115 @@
+"""How the model multiplies by its weights (models/llama.py injects them at call time): the MatrixProducts protocol
+a weight layout implements, the gated MLP's activations, and StackedProducts, XLA's dots on the weights as the
+loaders build them. Other layouts live beside their kernels (runner/weight_layout.py's CPU panels,
+models/quantized.py's quantized matrices)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from jpaged.models.config import ModelConfig
+from jpaged.models.fused_columns import group_fused_columns, split_fused
+
+# Each layer matrix by the name the products know it by, and its path in a DecoderLayer's state.
+LAYER_MATRICES = {
+    "qkv": ("attn", "qkv"),
+    "o": ("attn", "o"),
+    "gate_up": ("mlp", "gate_up"),
+    "down": ("mlp", "down"),
+}
+
+
+class MatrixProducts(Protocol):
+    """How the model multiplies by its weights, for one layout of them. `rows` is how many leading rows of x are
+    live (the rest is padding, which a layout may skip and leave zero)."""
+
+    # Layer matrices the layer scan hands over whole (with the layer's index) instead of sliced to one layer.
+    whole_matrices: tuple[str, ...]
+    # How many runs the fused matrices' columns come in (`group_fused_columns`): one per tensor-parallel shard,
+    # so that each shard's columns hold whole heads of q, k and v and matching columns of gate and up.
+    fused_groups: int
+
+    def layout(self, params: dict) -> dict:
+        """The loaders' params with some leaves rearranged as these products read them (same tree; done once,
+        before the steps)."""
+        ...
+
+    def embed(self, weight: jax.Array, token_ids: jax.Array) -> jax.Array: ...
+
+    def layer(
+        self, name: str, weight: jax.Array, x: jax.Array, layer: jax.Array, rows: jax.Array
+    ) -> jax.Array:
+        """x @ layer `layer`'s matrix `name` (a LAYER_MATRICES key); `weight` is that layer's matrix, or the whole
+        stack where `name` is in `whole_matrices`."""
+        ...
+
+    def gated(
+        self,
+        weight: jax.Array,
+        x: jax.Array,
+        layer: jax.Array,
+        rows: jax.Array,
+        sizes: tuple[int, int],
+        activation: str,
+    ) -> jax.Array:
+        """The MLP's activation act(x @ gate) * (x @ up) from layer `layer`'s gate_up matrix (as `layer` takes
+        it), gate and up `sizes` wide, computed as `act_and_mul` computes it."""
+        ...
+
+    def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
+        """float32 logits [R, V] of the final hidden states h [R, D]; `weight` is the embedding when tied."""
+        ...
+
+
+# The gated MLP's activations by ModelConfig.hidden_activation (transformers' silu and gelu_pytorch_tanh).
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+def act_and_mul(
+    gate_up: jax.Array, sizes: tuple[int, int], fused_groups: int, activation: str = "silu"
+) -> jax.Array:
+    """act(gate) * up of a gate|up product. The activation in float32, rounded once, as torch's does for bfloat16:
+    XLA's bfloat16 SiLU rounds after every op, each rounding a conversion of its own on CPU."""
+    gate, up = split_fused(gate_up, sizes, fused_groups)
+    return ACTIVATIONS[activation](gate.astype(jnp.float32)).astype(gate.dtype) * up
+
+
+@dataclass(frozen=True)
+class StackedProducts:
+    """XLA's dots on the weights as the loaders build them (layer matrices stacked, sliced per layer by the scan);
+    with `fused_groups` > 1, the fused matrices' columns grouped per tensor-parallel shard."""
+
+    config: ModelConfig | None = None  # needed when fused_groups > 1
+    fused_groups: int = 1
+    whole_matrices: tuple[str, ...] = ()
+
+    def layout(self, params: dict) -> dict:
+        return (
+            group_fused_columns(params, self.config, self.fused_groups) if self.fused_groups > 1 else params
+        )
+
+    def embed(self, weight: jax.Array, token_ids: jax.Array) -> jax.Array:
+        return weight[token_ids]
+
+    def layer(self, name, weight, x, layer, rows) -> jax.Array:
+        return x @ weight
+
+    def gated(self, weight, x, layer, rows, sizes, activation) -> jax.Array:
+        return act_and_mul(
+            self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups, activation
+        )
+
+    def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
+        return jnp.dot(h, weight.T if tied else weight, preferred_element_type=jnp.float32)
+
+
+STACKED = StackedProducts()
