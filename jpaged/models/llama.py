@@ -65,14 +65,13 @@ def _weight(shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], fill: f
 @dataclass(frozen=True)
 class StepContext:
     """What every layer of one step shares: the batch, RoPE's cos/sin, where the new K/V go, the kernels, and
-    what tells the layers apart (`sliding`)."""
+    what tells the layers apart (the config's `sliding_layers`)."""
 
     config: ModelConfig
     batch: StepBatch
     cos: jax.Array  # [T, 1, R] (R: the rotary part of Dh)
     sin: jax.Array
     local_rotation: tuple[jax.Array, jax.Array] | None  # cos and sin of the sliding layers' own RoPE base
-    sliding: jax.Array | None  # [L] bool: the layers the window applies to (None: all, if there is one)
     write_block: jax.Array  # [T]
     write_offset: jax.Array  # [T]
     live_tokens: jax.Array  # the step's real tokens (the rest of T is padding)
@@ -91,7 +90,7 @@ class StepContext:
         """cos and sin for layer `layer`: the sliding layers' own where they have a RoPE base of their own."""
         if self.local_rotation is None:
             return self.cos, self.sin
-        local = self.sliding[layer]
+        local = jnp.asarray(self.config.sliding_layers)[layer]
         (local_cos, local_sin) = self.local_rotation
         return jnp.where(local, local_cos, self.cos), jnp.where(local, local_sin, self.sin)
 
@@ -99,9 +98,9 @@ class StepContext:
         """Layer `layer`'s sliding window: the config's (static) where every layer has it, else an int32 that is
         0 (none) on the global layers, so the one scanned layer program serves both kinds."""
         window = self.config.sliding_window
-        if self.sliding is None or window is None:
+        if self.config.sliding_layers is None or window is None:
             return window
-        return jnp.where(self.sliding[layer], jnp.int32(window), jnp.int32(0))
+        return jnp.where(jnp.asarray(self.config.sliding_layers)[layer], jnp.int32(window), jnp.int32(0))
 
 
 class RMSNorm(nnx.Module):
@@ -274,7 +273,6 @@ class CausalLM(nnx.Module):
             batch,
             *cos_sin(batch.positions, c, dtype, batch.rope_lengths),
             local_rotation,
-            None if c.sliding_layers is None else jnp.asarray(c.sliding_layers),
             batch.slot_mapping // block_size,
             batch.slot_mapping % block_size,
             batch.query_start[batch.num_seqs[0]],
