@@ -88,22 +88,27 @@ BUILDS = {
 }
 
 
+MATMUL_SYMBOLS = {"": "JpagedMatmul", "_gated": "JpagedMatmulGated"}
+
+
 @functools.cache
-def _build(name: str, tmp: str) -> tuple[str, ctypes.CDLL]:
-    """The matmul kernel built as BUILDS[name] says, registered with XLA under a target of its own."""
+def _build(name: str, tmp: str, source: str, symbols: tuple) -> tuple[str, ctypes.CDLL]:
+    """The kernel in `source` built as BUILDS[name] says, its `symbols` ((target suffix, handler)...) registered with
+    XLA under targets of their own."""
     march, extra, _ = BUILDS[name]
-    built = Path(tmp) / f"matmul-{name}.so"
-    library.compile_sources(
-        [Path(cpu_matmul.__file__).with_name("matmul.cc")], built, march=march, extra=extra
-    )
-    target = f"jpaged_matmul_{name.replace('-', '_')}"
-    return target, library.register(built, {target: "JpagedMatmul", f"{target}_gated": "JpagedMatmulGated"})
+    stem = Path(source).stem
+    built = Path(tmp) / f"{stem}-{name}.so"
+    library.compile_sources([Path(cpu_matmul.__file__).with_name(source)], built, march=march, extra=extra)
+    target = f"jpaged_{stem}_{name.replace('-', '_')}"
+    return target, library.register(built, {target + suffix: symbol for suffix, symbol in symbols})
 
 
-def _runnable_build(name: str, tmp_path_factory) -> tuple[str, ctypes.CDLL]:
+def runnable_build(
+    name: str, tmp_path_factory, source: str = "matmul.cc", symbols: dict[str, str] = MATMUL_SYMBOLS
+) -> tuple[str, ctypes.CDLL]:
     if platform.machine() != "x86_64" or not BUILDS[name][2] <= library.cpu_flags():
         pytest.skip(f"this CPU does not run the {name} build")
-    return _build(name, str(tmp_path_factory.getbasetemp()))
+    return _build(name, str(tmp_path_factory.getbasetemp()), source, tuple(symbols.items()))
 
 
 def _call(target: str, x: jax.Array, panels: jax.Array, n: int, rows: int, dtype=jnp.float32) -> np.ndarray:
@@ -114,7 +119,7 @@ def _call(target: str, x: jax.Array, panels: jax.Array, n: int, rows: int, dtype
 
 @pytest.mark.parametrize("name", sorted(BUILDS))
 def test_each_build_matches_float64_numpy(name, tmp_path_factory):
-    target, _ = _runnable_build(name, tmp_path_factory)
+    target, _ = runnable_build(name, tmp_path_factory)
     rng = np.random.default_rng(11)
     # (M, K, N, rows): K 64, 576 and 1536 fill whole tiles of 32, 37 does not (vdpbf16ps in the AMX builds); 37
     # rows end in a smaller row group (16 + 5) than the first two (16 + 16); 33 columns end in an item of one
@@ -142,7 +147,7 @@ def test_each_build_matches_float64_numpy(name, tmp_path_factory):
 def test_the_amx_tiles_take_bfloat16_products_whatever_the_rows(tmp_path_factory):
     """On the model of the tiles: the tile path runs (its dot products counted), says so to dtype="auto", and
     gives a row the same bits in a batch of 64 rows as in one of 1, 11 or 17."""
-    target, handle = _runnable_build("amx-model", tmp_path_factory)
+    target, handle = runnable_build("amx-model", tmp_path_factory)
     handle.JpagedBfloat16Arithmetic.restype = ctypes.c_char_p
     assert handle.JpagedBfloat16Arithmetic() == b"amx_bf16"
     handle.JpagedAmxModelDots.restype = ctypes.c_int64

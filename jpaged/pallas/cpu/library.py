@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (paged_attention.cc, matmul.cc) as one shared library, built on first use and
+"""The C++ CPU kernels (paged_attention.cc, matmul.cc, grouped_matmul.cc) as one shared library, built on first use and
 registered with XLA as FFI targets.
 
 It is compiled with the machine's C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib ships, for this
@@ -25,14 +25,16 @@ import jaxlib
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "paged_attention.cc", _HERE / "matmul.cc")
-HEADERS = (_HERE / "kernel.h",)
+SOURCES = (_HERE / "paged_attention.cc", _HERE / "matmul.cc", _HERE / "grouped_matmul.cc")
+HEADERS = (_HERE / "kernel.h", _HERE / "panels.h")
 # FFI target name -> exported handler symbol
 TARGETS = {
     "jpaged_paged_attention": "JpagedPagedAttention",
     "jpaged_uninitialized": "JpagedUninitialized",
     "jpaged_matmul": "JpagedMatmul",
     "jpaged_matmul_gated": "JpagedMatmulGated",
+    "jpaged_grouped_matmul": "JpagedGroupedMatmul",
+    "jpaged_grouped_matmul_gated": "JpagedGroupedMatmulGated",
 }
 # What the kernels compute on (kernel.h converts bfloat16 to and from float32; float16 is not handled).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))

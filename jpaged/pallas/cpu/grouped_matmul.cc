@@ -1,0 +1,250 @@
+// Products with group-quantized matrices on the CPU, as an XLA FFI custom call (see grouped_matmul.py for the
+// layout): w[k, n] = scale[k / G, n] * code[k, n] + bias[k / G, n], the form GGUF's Q4_0, Q4_1 and Q8_0 blocks
+// (and group-wise 4- and 8-bit checkpoints) share, held as panels of 16 columns: codes [L, P, K / 2, 16] bytes of two
+// 4-bit codes (rows 2i and 2i + 1 of a column, low nibble first) or [L, P, K, 16] 8-bit ones (uint8 or int8), scale
+// and bias [L, P, K / G, 16] (float16 or float32).
+//
+// Each work item's two panels are dequantised into a buffer of the thread's, in x's type, which the dense kernel's
+// row blocks or tiles then multiply (panels.h): the weights stream from memory at their quantized size, and every
+// row's sums are those of x @ dequantise(w) in x's type, whatever the number of rows (the XLA reference the tests
+// hold it to).
+#include <vector>
+
+#include "panels.h"
+
+namespace {
+
+#if defined(JPAGED_MATMUL_AVX512)
+// Sixteen codes (int32 lanes) scaled and shifted in float32, stored as T: float32, or bfloat16 rounded to nearest even.
+inline void StoreRow(__m512i codes, __m512 s, __m512 b, float* out) {
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(codes), b));
+}
+inline void StoreRow(__m512i codes, __m512 s, __m512 b, uint16_t* out) {
+  StoreSums(_mm512_fmadd_ps(s, _mm512_cvtepi32_ps(codes), b), out, 0xFFFF);
+}
+template <typename S>
+inline __m512 Load16(const S* values) {
+  if constexpr (std::is_same<S, float>::value) return _mm512_loadu_ps(values);
+  else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
+}
+inline __m512i Widen(const uint8_t* codes) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+}
+inline __m512i Widen(const int8_t* codes) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+}
+
+// Codes of one panel's rows [k0, k0 + count) scaled and shifted in float32, stored as T.
+template <bool kPacked, typename Code, typename S, typename T>
+inline void DequantiseGroup(const Code* codes, const S* scale, const S* bias, int k0, int count, T* out) {
+  const __m512 s = Load16(scale), b = Load16(bias);
+  for (int k = k0; k < k0 + count; k += kPacked ? 2 : 1) {
+    if constexpr (kPacked) {
+      const Code* pair = codes + (k / 2) * kPanel;
+      __builtin_prefetch(pair + 64 * kPanel);
+      const __m512i both = Widen(pair);
+      StoreRow(_mm512_and_si512(both, _mm512_set1_epi32(15)), s, b, out + k * kPanel);
+      StoreRow(_mm512_srli_epi32(both, 4), s, b, out + (k + 1) * kPanel);
+    } else {
+      const Code* row = codes + k * kPanel;
+      __builtin_prefetch(row + 32 * kPanel);
+      StoreRow(Widen(row), s, b, out + k * kPanel);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same rows as bfloat16 pairs, as PrePairedSteps and the tiles read them: rows k and k + 1 of each column side
+// by side (count even), each rounded to nearest even.
+template <bool kPacked, typename Code, typename S>
+inline void DequantisePairs(const Code* codes, const S* scale, const S* bias, int k0, int count, uint16_t* out) {
+  const __m512 s = Load16(scale), b = Load16(bias);
+  const __m512i pairs = PairIndex();
+  for (int k = k0; k < k0 + count; k += 2) {
+    __m512i first, second;
+    if constexpr (kPacked) {
+      const Code* pair = codes + (k / 2) * kPanel;
+      __builtin_prefetch(pair + 64 * kPanel);
+      const __m512i both = Widen(pair);
+      first = _mm512_and_si512(both, _mm512_set1_epi32(15)), second = _mm512_srli_epi32(both, 4);
+    } else {
+      const Code* row = codes + k * kPanel;
+      __builtin_prefetch(row + 32 * kPanel);
+      first = Widen(row), second = Widen(row + kPanel);
+    }
+    const __m512bh rows = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s, _mm512_cvtepi32_ps(second), b),
+                                              _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(first), b));
+    _mm512_storeu_si512(out + k * kPanel, _mm512_permutexvar_epi16(pairs, (__m512i)rows));
+  }
+}
+#endif
+#else
+// Codes of one panel's rows [k0, k0 + count) scaled and shifted in float32, stored as T (rounded to nearest even).
+template <bool kPacked, typename Code, typename S, typename T>
+inline void DequantiseGroup(const Code* codes, const S* scale, const S* bias, int k0, int count, T* out) {
+  float s[kPanel], b[kPanel];
+  for (int c = 0; c < kPanel; ++c) s[c] = static_cast<float>(scale[c]), b[c] = static_cast<float>(bias[c]);
+  for (int k = k0; k < k0 + count; k += kPacked ? 2 : 1) {
+    if constexpr (kPacked) {
+      const Code* pair = codes + (k / 2) * kPanel;
+      __builtin_prefetch(pair + 64 * kPanel);
+      for (int c = 0; c < kPanel; ++c) {
+        FromFloat(s[c] * static_cast<float>(pair[c] & 15) + b[c], out + k * kPanel + c);
+        FromFloat(s[c] * static_cast<float>(pair[c] >> 4) + b[c], out + (k + 1) * kPanel + c);
+      }
+    } else {
+      const Code* row = codes + k * kPanel;
+      __builtin_prefetch(row + 32 * kPanel);
+      for (int c = 0; c < kPanel; ++c) FromFloat(s[c] * static_cast<float>(row[c]) + b[c], out + k * kPanel + c);
+    }
+  }
+}
+#endif
+
+// A group-quantized stack's layer: its panels' codes, scales and biases, and K and the group size.
+template <typename Code, typename S>
+struct Grouped {
+  const Code* codes;
+  const S* scale;
+  const S* bias;
+  int K, group;
+  bool packed;  // two 4-bit codes a byte
+
+  // Whether bfloat16 panels are dequantised paired (panels.h's kTakesPairedPanels): every group an even number of
+  // rows.
+  bool Paired() const { return kTakesPairedPanels && group % 2 == 0; }
+
+  // Panels [first, first + count) dequantised into the thread's buffer (bfloat16 ones paired where Paired()).
+  template <typename T>
+  const T* Dequantised(int first, int count) const {
+    thread_local std::vector<T> buffer;
+    buffer.resize(static_cast<size_t>(count) * K * kPanel);
+    const int64_t code_rows = packed ? K / 2 : K, groups = K / group;
+    for (int p = 0; p < count; ++p) {
+      const Code* panel_codes = codes + (first + p) * code_rows * kPanel;
+      const S* panel_scale = scale + (first + p) * groups * kPanel;
+      const S* panel_bias = bias + (first + p) * groups * kPanel;
+      T* out = buffer.data() + static_cast<int64_t>(p) * K * kPanel;
+      for (int g = 0; g < groups; ++g) {
+#if defined(JPAGED_MATMUL_AVX512) && defined(__AVX512BF16__)
+        if constexpr (std::is_same<T, uint16_t>::value) {
+          if (Paired()) {
+            const S *group_scale = panel_scale + g * kPanel, *group_bias = panel_bias + g * kPanel;
+            if (packed) DequantisePairs<true>(panel_codes, group_scale, group_bias, g * group, group, out);
+            else DequantisePairs<false>(panel_codes, group_scale, group_bias, g * group, group, out);
+            continue;
+          }
+        }
+#endif
+        if (packed)
+          DequantiseGroup<true>(panel_codes, panel_scale + g * kPanel, panel_bias + g * kPanel, g * group, group, out);
+        else
+          DequantiseGroup<false>(panel_codes, panel_scale + g * kPanel, panel_bias + g * kPanel, g * group, group,
+                                 out);
+      }
+    }
+    return buffer.data();
+  }
+};
+
+template <bool kGated, typename T, typename Out, typename Code, typename S>
+void Run(ffi::ThreadPool& pool, const T* x, const Grouped<Code, S>& w, Out* out, int M, int rows, int N) {
+  auto item_panels = [&](int item, int count) { return w.template Dequantised<T>(item * kPanelsPerItem, count); };
+  auto no_ahead = [](int) { return static_cast<const T*>(nullptr); };
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    if (w.Paired()) return RunItems<kGated, kTakesPairedPanels>(pool, x, out, M, rows, w.K, N, item_panels, no_ahead);
+  }
+  RunItems<kGated>(pool, x, out, M, rows, w.K, N, item_panels, no_ahead);
+}
+
+// x's type, then the output's.
+template <bool kGated, typename Code, typename S>
+ffi::Error RunTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, const Grouped<Code, S>& w, ffi::AnyBuffer::Dimensions od,
+                    ffi::Result<ffi::AnyBuffer>& out, int M, int rows) {
+  const int N = static_cast<int>(od[1]);
+  const auto dtype = x.element_type(), out_dtype = out->element_type();
+  if (out_dtype != dtype && out_dtype != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("the output must be x's dtype or float32");
+  if (dtype == ffi::DataType::F32) {
+    Run<kGated>(pool, static_cast<const float*>(x.untyped_data()), w, static_cast<float*>(out->untyped_data()), M,
+                rows, N);
+  } else if (dtype == ffi::DataType::BF16) {
+    auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+    if (out_dtype == ffi::DataType::F32)
+      Run<kGated>(pool, xp, w, static_cast<float*>(out->untyped_data()), M, rows, N);
+    else
+      Run<kGated>(pool, xp, w, static_cast<uint16_t*>(out->untyped_data()), M, rows, N);
+  } else {
+    return ffi::Error::InvalidArgument("x must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+template <bool kGated, typename Code, typename S>
+ffi::Error WithScales(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer codes, ffi::AnyBuffer scale,
+                      ffi::AnyBuffer bias, int64_t layer_offset, int64_t group_offset, int K, int group, bool packed,
+                      ffi::Result<ffi::AnyBuffer>& out, int M, int rows) {
+  const Grouped<Code, S> w{static_cast<const Code*>(codes.untyped_data()) + layer_offset,
+                           static_cast<const S*>(scale.untyped_data()) + group_offset,
+                           static_cast<const S*>(bias.untyped_data()) + group_offset,
+                           K,
+                           group,
+                           packed};
+  return RunTyped<kGated>(pool, x, w, out->dimensions(), out, M, rows);
+}
+
+template <typename Dims>
+bool SameShape(const Dims& a, const Dims& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+template <bool kGated>
+ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer codes, ffi::AnyBuffer scale,
+                         ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || cd.size() != 4 || sd.size() != 4 || od.size() != 2 || cd[3] != kPanel || sd[3] != kPanel)
+    return ffi::Error::InvalidArgument("expected x [M, K], codes [L, P, K', 16], scale [L, P, K / G, 16], out [M, N]");
+  const int M = static_cast<int>(xd[0]), K = static_cast<int>(xd[1]), N = static_cast<int>(od[1]);
+  const bool packed = cd[2] * 2 == K && codes.element_type() == ffi::DataType::U8;
+  if (od[0] != M || (cd[2] != K && !packed) || cd[1] != NumPanels<kGated>(N) || sd[0] != cd[0] || sd[1] != cd[1] ||
+      sd[2] == 0 || K % sd[2] != 0 || !SameShape(bias.dimensions(), sd))
+    return ffi::Error::InvalidArgument("x, codes, scale, bias and out do not agree on M, K, N and the groups");
+  const int group = K / static_cast<int>(sd[2]);
+  if (packed && group % 2 != 0) return ffi::Error::InvalidArgument("packed 4-bit codes take an even group size");
+  if (kGated && N % kPanel != 0) return ffi::Error::InvalidArgument("the gated form takes N a multiple of 16");
+  if (scale.element_type() != bias.element_type())
+    return ffi::Error::InvalidArgument("scale and bias must share one dtype");
+  const int layer_index = layer.typed_data()[0];
+  if (layer_index < 0 || layer_index >= cd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  const int live = std::clamp(rows.typed_data()[0], 0, M);
+  const int64_t layer_offset = layer_index * cd[1] * cd[2] * kPanel, group_offset = layer_index * sd[1] * sd[2] * kPanel;
+  const auto code_type = codes.element_type(), scale_type = scale.element_type();
+  auto with = [&](auto code, auto scale_value) {
+    using Code = decltype(code);
+    using S = decltype(scale_value);
+    return WithScales<kGated, Code, S>(pool, x, codes, scale, bias, layer_offset, group_offset, K, group, packed, out,
+                                       M, live);
+  };
+  const bool half = scale_type == ffi::DataType::F16;
+  if (!half && scale_type != ffi::DataType::F32) return ffi::Error::InvalidArgument("scales must be float16 or float32");
+  if (code_type == ffi::DataType::U8) return half ? with(uint8_t{}, _Float16{}) : with(uint8_t{}, float{});
+  if (code_type == ffi::DataType::S8) return half ? with(int8_t{}, _Float16{}) : with(int8_t{}, float{});
+  return ffi::Error::InvalidArgument("codes must be uint8 or int8");
+}
+
+}  // namespace
+
+static auto GroupedBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()         // x
+      .Arg<ffi::AnyBuffer>()         // codes
+      .Arg<ffi::AnyBuffer>()         // scale
+      .Arg<ffi::AnyBuffer>()         // bias
+      .Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .Arg<ffi::Buffer<ffi::S32>>()  // rows
+      .Ret<ffi::AnyBuffer>();        // out
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedGroupedMatmul, GroupedMatmul<false>, GroupedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedGroupedMatmulGated, GroupedMatmul<true>, GroupedBinding());

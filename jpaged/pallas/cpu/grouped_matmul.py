@@ -1,0 +1,95 @@
+"""Products with group-quantized matrices on the CPU through a C++ kernel (grouped_matmul.cc), as an XLA FFI call.
+
+A group-quantized matrix w [K, N] is codes [K, N] (4- or 8-bit integers), and a scale and a bias for each group of G
+consecutive k of a column, [K / G, N]: w[k, n] = scale[k // G, n] * codes[k, n] + bias[k // G, n] (GGUF's Q4_1 as
+it is, Q4_0 with bias -8 scale, Q8_0 with bias 0). `pack` lays it out as the dense kernel's panels of 16 columns
+(matmul.py), 4-bit codes two a byte (rows 2i and 2i + 1 of a column, low nibble first), so a step reads half a byte
+a weight. The kernel dequantises each work item's panels into a buffer in x's dtype and multiplies them as the dense
+kernel does: `matmul(x, ...)` equals x @ dequantised w in x's dtype (summed in float32) for any number of rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jpaged.pallas.cpu import library
+from jpaged.pallas.cpu.matmul import PANEL, pack as pack_panels, pack_gated
+from jpaged.rounding import cdiv
+
+_TARGET = "jpaged_grouped_matmul"
+_GATED_TARGET = "jpaged_grouped_matmul_gated"
+CODE_BITS = (4, 8)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "gated"))
+def pack(
+    codes: jax.Array, scale: jax.Array, bias: jax.Array, *, bits: int, gated: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """codes [..., K, N], scale and bias [..., K / G, N] -> their panels, codes [..., P, K / 2 or K, 16] and scale
+    and bias [..., P, K / G, 16]; `gated` for a gate|up matrix in the gated form's panel order (`pack_gated`)."""
+    if bits not in CODE_BITS:
+        raise ValueError(f"codes must be {CODE_BITS} bits, got {bits}")
+    panels = pack_gated if gated else pack_panels
+    code_panels = panels(codes)
+    if bits == 4:
+        low, high = code_panels[..., 0::2, :], code_panels[..., 1::2, :]
+        code_panels = (low.astype(jnp.uint8) & 15) | (high.astype(jnp.uint8) << 4)
+    return code_panels, panels(scale), panels(bias)
+
+
+def matmul(
+    x: jax.Array,
+    panels: tuple[jax.Array, jax.Array, jax.Array],
+    n: int,
+    *,
+    layer: jax.Array | int = 0,
+    rows: jax.Array | int | None = None,
+    out_dtype=None,
+) -> jax.Array:
+    """x [M, K] @ w [K, n] from w's `pack`ed panels (of one matrix, or a stack of them with `layer` picking one),
+    summed in float32 and returned as `out_dtype` (x's, or float32); rows past `rows` come back zero."""
+    panels = _checked(x, panels, cdiv(n, PANEL))
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be x's dtype or float32, got {out_dtype}")
+    return _call(_TARGET, x, panels, n, layer, rows, out_dtype)
+
+
+def gated_matmul(
+    x: jax.Array,
+    panels: tuple[jax.Array, jax.Array, jax.Array],
+    n: int,
+    *,
+    layer: jax.Array | int = 0,
+    rows: jax.Array | int | None = None,
+) -> jax.Array:
+    """silu(x @ gate) * (x @ up) [M, n] in x's dtype from the gated `pack` of gate|up [K, 2n], as the dense
+    kernel's gated form computes it."""
+    if n % PANEL:
+        raise ValueError(f"the gated form needs n a multiple of {PANEL}, got {n}")
+    return _call(_GATED_TARGET, x, _checked(x, panels, 2 * n // PANEL), n, layer, rows, x.dtype)
+
+
+def _checked(x: jax.Array, panels, num_panels: int) -> tuple[jax.Array, ...]:
+    """The panels as stacks [L, P, ., 16], once they and x agree (else ValueError)."""
+    library.require()
+    panels = tuple(p[None] if p.ndim == 3 else p for p in panels)
+    codes, scale, bias = panels
+    k = x.shape[-1] if x.ndim == 2 else -1
+    if codes.ndim != 4 or codes.shape[1] != num_panels or codes.shape[2] not in (k, k // 2):
+        raise ValueError(f"x {x.shape} and codes {codes.shape} do not make a product of {num_panels} panels")
+    if scale.shape != bias.shape or scale.shape[:2] != codes.shape[:2] or k % scale.shape[2]:
+        raise ValueError(f"scale {scale.shape} and bias {bias.shape} do not group codes {codes.shape}")
+    if jnp.dtype(x.dtype) not in library.SUPPORTED_DTYPES:
+        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+    return panels
+
+
+def _call(target: str, x, panels, n: int, layer, rows, out_dtype) -> jax.Array:
+    rows = x.shape[0] if rows is None else rows
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return call(x, *panels, layer, jnp.asarray(rows, jnp.int32).reshape(1))
