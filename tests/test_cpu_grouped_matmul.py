@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_cpu_matmul import BUILDS, runnable_build
 
-from jpaged.models.grouped import GroupedMatrix, GroupedProducts, dequantize
+from jpaged.models.grouped import GroupedMatrix, GroupedProducts
 from jpaged.pallas.cpu import grouped_matmul
 
 # (bits, codes dtype, scale dtype, group size)
@@ -57,7 +57,9 @@ def _matmul(x, codes, scale, bias, layer, rows, *, n, bits, out_dtype=None):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 128, 16), (7, 256, 40), (16, 576, 960), (40, 128, 33)], ids=str)
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(1, 128, 16), (7, 256, 40), (16, 576, 960), (40, 128, 33)], ids=str
+)
 def test_live_rows_match_float64_numpy_and_xla_and_the_rest_are_zero(m, k, n, fmt, dtype):
     rng = np.random.default_rng([m, k, n])
     matrix = random_grouped(rng, 3, k, n, fmt)
@@ -72,7 +74,10 @@ def test_live_rows_match_float64_numpy_and_xla_and_the_rest_are_zero(m, k, n, fm
     xla = GroupedProducts().layer("o", one_layer, x, layer, rows)
     like_x = _matmul(*args, n=n, bits=fmt[0])
     assert like_x.dtype == x.dtype
-    assert relative_error(like_x[:rows], np.asarray(xla[:rows], np.float64)) < 1e-5 + (dtype == "bfloat16") * 8e-3
+    assert (
+        relative_error(like_x[:rows], np.asarray(xla[:rows], np.float64))
+        < 1e-5 + (dtype == "bfloat16") * 8e-3
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

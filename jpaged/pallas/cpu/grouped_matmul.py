@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.pallas.cpu import library
-from jpaged.pallas.cpu.matmul import PANEL, pack as pack_panels, pack_gated
+from jpaged.pallas.cpu.matmul import PANEL, pack_gated
+from jpaged.pallas.cpu.matmul import pack as pack_panels
 from jpaged.rounding import cdiv
 
 _TARGET = "jpaged_grouped_matmul"
