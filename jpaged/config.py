@@ -18,6 +18,9 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 RUNNERS = ("auto", "generate", "pooling")
 # vLLM's --quantization for a float checkpoint, quantised at load (online): W8A8 with dynamic per-token activations.
 QUANTIZATIONS = ("int8", "fp8")
+# --quantization none: a quantized checkpoint (a GGUF's blocks) dequantised to the model's dtype at load. Left
+# unset, a checkpoint's quantized matrices are held as they are stored (models/gguf_blocks.py).
+NO_QUANTIZATION = "none"
 # vLLM's --kv-cache-dtype: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3") as float8 e4m3, half the
 # bytes of bfloat16 a token.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -51,7 +54,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # compiled steps kept here; default ~/.cache/jpaged/xla
     runner: str = "auto"  # "generate", or "pooling" (embeddings; see RUNNERS)
     convert: str = "auto"  # "embed": the decoder's hidden states pooled as embeddings (see CONVERTS)
-    quantization: str | None = None  # "int8" or "fp8": layer matrices held quantized (see QUANTIZATIONS)
+    quantization: str | None = None  # "int8"/"fp8": layer matrices quantized at load; "none": dequantised
     kv_cache_dtype: str = "auto"  # "fp8": the KV pool in float8 e4m3 (see KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
@@ -84,8 +87,8 @@ class EngineConfig:
         _one_of(self, "convert", CONVERTS)
         _one_of(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         if self.quantization is not None:
-            _one_of(self, "quantization", QUANTIZATIONS)
-            if self.tensor_parallel_size > 1:
+            _one_of(self, "quantization", (*QUANTIZATIONS, NO_QUANTIZATION))
+            if self.quantization in QUANTIZATIONS and self.tensor_parallel_size > 1:
                 raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet")
         if self.runner == "generate" and self.convert == "embed":
             raise ValueError("convert 'embed' makes a pooling model: it needs runner 'pooling' (or 'auto')")
@@ -97,6 +100,12 @@ class EngineConfig:
     @property
     def fp8_kv_cache(self) -> bool:
         return self.kv_cache_dtype != "auto"
+
+    @property
+    def keeps_checkpoint_quantization(self) -> bool:
+        """Whether a quantized checkpoint's matrices are held as stored: unless --quantization asks otherwise, on one
+        device (tensor parallelism reads each device's part of float weights)."""
+        return self.quantization is None and self.tensor_parallel_size == 1
 
     @property
     def is_pooling(self) -> bool:

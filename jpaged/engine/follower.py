@@ -38,8 +38,8 @@ def follow(gpu_memory_utilization: float = 0.9) -> int:
         if action == "stop":
             return 0
         if action == "load":
-            model, dtype, lazy = args
-            loaded = load_model(model, jnp.dtype(dtype), progress=False, lazy=lazy)
+            model, dtype, lazy, keep_blocks = args
+            loaded = load_model(model, jnp.dtype(dtype), progress=False, lazy=lazy, keep_blocks=keep_blocks)
         elif action == "start":
             runners[engine_id], loaded = _follower_runner(*args, loaded), None
         elif action == "close":

@@ -58,7 +58,8 @@ class LLMEngine:
         config, dtype = for_this_platform(config or EngineConfig(**engine_args))
         self.config = config
         lazy = config.tensor_parallel_size > 1  # each device's part of each weight read from the files
-        self.model = model or load_model_everywhere(config.model, dtype, lazy=lazy)
+        keep_blocks = config.keeps_checkpoint_quantization
+        self.model = model or load_model_everywhere(config.model, dtype, lazy=lazy, keep_blocks=keep_blocks)
         self.model_config = mc = self.model.config
         source = self.model.source
         given_as = "the params given" if source.kind == "params" else f"the weights loaded from {source.path}"

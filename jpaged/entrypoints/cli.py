@@ -22,7 +22,8 @@ _HELP = {
     "swap_space": "GiB of host memory for swapped-out KV blocks",
     "num_blocks": "number of KV blocks (overrides memory-based sizing)",
     "runner": "generate, or pooling: serve embeddings (/v1/embeddings, LLM.embed) instead of generation",
-    "quantization": "int8 or fp8: hold the layer matrices quantized (W8A8, activations quantised per token)",
+    "quantization": "int8 or fp8: quantize the layer matrices at load (W8A8, activations quantised per token); "
+    "none: dequantise a quantized checkpoint (a GGUF's blocks, held as stored by default)",
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (= fp8_e4m3): the KV pool as float8 e4m3, twice the tokens",
     "convert": "embed: run a decoder as an embedding model, pooled as its sentence-transformers config says "
     "(else last token, normalised)",

@@ -1,5 +1,7 @@
-"""GGUF files are converted once: the result (float32 params as safetensors, the config, the tokenizer) is kept
-under $JPAGED_CACHE_DIR (default ~/.cache/jpaged)/gguf, keyed by the file's path, size and modification time.
+"""GGUF files are converted once: the result (params as safetensors, the config, the tokenizer) is kept under
+$JPAGED_CACHE_DIR (default ~/.cache/jpaged)/gguf, keyed by the file's path, size and modification time and by the
+form of the params: float32, or with the layers' quantized matrices kept as blocks (GroupedMatrix: its codes, scale
+and bias stored as `<path>#codes`... and its bits in the file's metadata).
 
 Parsing a GGUF's metadata (a 49k-entry vocabulary) and dequantising its tensors takes many times longer than
 reading the converted copy back (README: loading the default model). A read-only or full cache directory only
@@ -23,11 +25,12 @@ from safetensors.numpy import load_file, save_file
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from jpaged.models.config import ModelConfig
+from jpaged.models.grouped import GROUPED_FIELDS, GroupedMatrix, is_grouped
 from jpaged.models.lazy_weights import StoredWeight
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # bump when the conversion changes, so older copies are not reused
+FORMAT_VERSION = 3  # bump when the conversion changes, so older copies are not reused
 _CONFIG_FILE = "jpaged_config.json"  # not config.json: transformers would read it as its own
 _PARAMS_FILE = "params.safetensors"
 
@@ -36,18 +39,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("JPAGED_CACHE_DIR") or Path.home() / ".cache" / "jpaged")
 
 
-def converted_dir(gguf_path: Path) -> Path:
+def converted_dir(gguf_path: Path, blocks: bool = False) -> Path:
     stat = gguf_path.stat()
-    identity = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{FORMAT_VERSION}"
+    form = ":blocks" if blocks else ""
+    identity = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{FORMAT_VERSION}{form}"
     return cache_root() / "gguf" / hashlib.sha256(identity.encode()).hexdigest()[:24]
 
 
 def load_converted(
-    gguf_path: Path, dtype, *, lazy: bool = False
+    gguf_path: Path, dtype, *, lazy: bool = False, blocks: bool = False
 ) -> tuple[ModelConfig, dict, PreTrainedTokenizerBase] | None:
-    """The cached conversion of `gguf_path` (params cast to `dtype`; lazy: read where indexed, see
-    lazy_weights.py), or None when there is none yet."""
-    directory = converted_dir(gguf_path)
+    """The cached conversion of `gguf_path` (float params cast to `dtype`, blocks kept as they are; lazy: read
+    where indexed, see lazy_weights.py), or None when there is none yet."""
+    directory = converted_dir(gguf_path, blocks)
     if not (directory / _PARAMS_FILE).exists():
         return None
     config = ModelConfig.from_json_dict(json.loads((directory / _CONFIG_FILE).read_text()))
@@ -58,24 +62,45 @@ def load_converted(
             tensor = file.get_slice(name)
             flat[name] = StoredWeight(tensor, tuple(tensor.get_shape()), np.dtype(dtype))
     else:
-        flat = {
-            name: array.astype(dtype, copy=False)
-            for name, array in load_file(directory / _PARAMS_FILE).items()
-        }
+        flat = _regrouped(directory / _PARAMS_FILE, dtype)
     params = unflatten_dict(flat, sep="/")
     return config, params, PreTrainedTokenizerFast.from_pretrained(str(directory))
 
 
-def store_converted(gguf_path: Path, config: ModelConfig, params: dict, tokenizer) -> None:
+def _regrouped(file: Path, dtype) -> dict:
+    """A stored conversion's flat params: float ones cast to `dtype`, GroupedMatrix ones put back together."""
+    with safe_open(file, framework="numpy") as stored:
+        bits = {name: int(b) for name, b in (stored.metadata() or {}).items()}
+    flat: dict = {}
+    for name, array in load_file(file).items():
+        path, _, field = name.partition("#")
+        if field:
+            flat.setdefault(path, {})[field] = array
+        else:
+            flat[path] = array.astype(dtype, copy=False)
+    for path, bits_of in bits.items():
+        flat[path] = GroupedMatrix(**flat[path], bits=bits_of)
+    return flat
+
+
+def store_converted(
+    gguf_path: Path, config: ModelConfig, params: dict, tokenizer, *, blocks: bool = False
+) -> None:
     """Save a conversion; written to a temporary directory and renamed, so a reader never sees half of one."""
-    directory = converted_dir(gguf_path)
+    directory = converted_dir(gguf_path, blocks)
     partial = directory.with_name(directory.name + f".partial-{os.getpid()}")
-    flat = {
-        name: np.ascontiguousarray(value, np.float32) for name, value in flatten_dict(params, sep="/").items()
-    }
+    flat, bits = {}, {}
+    for name, value in flatten_dict(params, sep="/").items():
+        if is_grouped(value):
+            bits[name] = str(value.bits)
+            flat.update(
+                {f"{name}#{field}": np.ascontiguousarray(getattr(value, field)) for field in GROUPED_FIELDS}
+            )
+        else:
+            flat[name] = np.ascontiguousarray(value, np.float32)
     try:
         partial.mkdir(parents=True, exist_ok=True)
-        save_file(flat, partial / _PARAMS_FILE)
+        save_file(flat, partial / _PARAMS_FILE, metadata=bits or None)
         (partial / _CONFIG_FILE).write_text(json.dumps(config.to_json_dict(), indent=2))
         tokenizer.save_pretrained(str(partial))
         partial.rename(directory)

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.models.products import StackedProducts
+from jpaged.models.products import StackedProducts, WholeLeaf
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class GroupedMatrix:
+class GroupedMatrix(WholeLeaf):
     """A matrix [..., K, N]: codes (uint8 or int8, `bits` significant) [..., K, N], scale and bias (float16 or
     float32) [..., K / G, N]."""
 
@@ -30,12 +30,6 @@ class GroupedMatrix:
     scale: jax.Array | np.ndarray
     bias: jax.Array | np.ndarray
     bits: int = field(default=8, metadata=dict(static=True))
-
-    def __getitem__(self, index) -> GroupedMatrix:
-        """Itself for `[...]`, which is how an nnx.Param hands over its value."""
-        if index is not Ellipsis:
-            raise TypeError("a GroupedMatrix is read whole ([...])")
-        return self
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -51,6 +45,9 @@ class GroupedMatrix:
         return jax.tree_util.tree_map(lambda a: np.swapaxes(a, -1, -2), self)
 
 
+GROUPED_FIELDS = ("codes", "scale", "bias")  # the arrays of a GroupedMatrix
+
+
 def is_grouped(leaf) -> bool:
     return isinstance(leaf, GroupedMatrix)
 
@@ -61,6 +58,24 @@ def dequantize(matrix: GroupedMatrix, dtype) -> jax.Array:
     scale = jnp.repeat(jnp.asarray(matrix.scale, jnp.float32), g, axis=-2)
     bias = jnp.repeat(jnp.asarray(matrix.bias, jnp.float32), g, axis=-2)
     return (jnp.asarray(matrix.codes).astype(jnp.float32) * scale + bias).astype(dtype)
+
+
+def host_dequantized(matrix: GroupedMatrix) -> np.ndarray:
+    """The float32 matrix on the host (numpy)."""
+    g = matrix.group_size
+    scale, bias = (np.repeat(np.asarray(a, np.float32), g, axis=-2) for a in (matrix.scale, matrix.bias))
+    return np.asarray(matrix.codes, np.float32) * scale + bias
+
+
+def joined_columns(parts: list) -> GroupedMatrix | None:
+    """Matrices [K, N_i] side by side (q|k|v, gate|up) as one GroupedMatrix, or None where they are not all
+    GroupedMatrix of one form (bits, dtypes, group size): a checkpoint may mix block types."""
+    first = parts[0]
+    form = (first.bits, first.codes.dtype, first.scale.dtype, first.group_size) if is_grouped(first) else None
+    for part in parts:
+        if not is_grouped(part) or (part.bits, part.codes.dtype, part.scale.dtype, part.group_size) != form:
+            return None
+    return jax.tree_util.tree_map(lambda *columns: np.concatenate(columns, axis=-1), *parts)
 
 
 @dataclass(frozen=True)

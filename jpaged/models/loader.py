@@ -22,6 +22,7 @@ from jpaged.models.config import ModelConfig
 from jpaged.models.default_model import default_model_path
 from jpaged.models.gguf_cache import load_converted, store_converted
 from jpaged.models.gguf_metadata import gguf_model_config, gguf_tokenizer, read_gguf_fields
+from jpaged.models.grouped import is_grouped
 from jpaged.models.lazy_weights import FusedWeight
 from jpaged.models.params import hf_recipes, param_stats, params_from_hf_names
 from jpaged.models.weights import gguf_reader, read_hf_config, safetensors_reader, safetensors_slicer
@@ -84,9 +85,16 @@ def _download(repo_id: str) -> Path:
 
 
 def load_model(
-    model: str | None = None, dtype=np.float32, *, progress: bool = True, lazy: bool = False
+    model: str | None = None,
+    dtype=np.float32,
+    *,
+    progress: bool = True,
+    lazy: bool = False,
+    keep_blocks: bool = False,
 ) -> LoadedModel:
     """Load config, params and tokenizer from any supported source; logs time, parameter count and bytes.
+    `keep_blocks`: a GGUF's layer matrices of the block types the kernels read stay quantized (GroupedMatrix,
+    models/gguf_blocks.py), the rest is cast to `dtype`.
 
     `lazy` (for tensor parallelism): HF safetensors and the GGUF conversion cache give lazy weights, read only
     where indexed (lazy_weights.py), orbax checkpoints CheckpointedWeights that tensor parallelism restores into
@@ -109,16 +117,21 @@ def load_model(
             params = params_from_hf_names(config, safetensors_reader(source.path), dtype, progress=progress)
         tokenizer = load_tokenizer(source.path)
     else:
-        converted = load_converted(source.path, dtype, lazy=lazy)
+        if keep_blocks and lazy:
+            raise ValueError(
+                "a GGUF's blocks are kept on one device only (tensor parallelism dequantises them)"
+            )
+        converted = load_converted(source.path, dtype, lazy=lazy, blocks=keep_blocks)
         if converted is None:
             fields = read_gguf_fields(source.path)
             config = gguf_model_config(fields)
-            params = params_from_hf_names(
-                config, gguf_reader(source.path, config), np.float32, progress=progress
-            )
+            reader = gguf_reader(source.path, config, keep_blocks=keep_blocks)
+            params = params_from_hf_names(config, reader, np.float32, progress=progress)
             tokenizer = gguf_tokenizer(fields)
-            store_converted(source.path, config, params, tokenizer)
-            params = jax.tree_util.tree_map(lambda x: x.astype(dtype, copy=False), params)
+            store_converted(source.path, config, params, tokenizer, blocks=keep_blocks)
+            params = jax.tree_util.tree_map(
+                lambda x: x if is_grouped(x) else x.astype(dtype, copy=False), params, is_leaf=is_grouped
+            )
         else:
             config, params, tokenizer = converted
     config = dataclasses.replace(config, eos_token_ids=eos_token_ids(config.eos_token_ids, tokenizer))

@@ -14,6 +14,7 @@ from flax.traverse_util import unflatten_dict
 from tqdm.auto import tqdm
 
 from jpaged.models.config import ModelConfig
+from jpaged.models.grouped import GroupedMatrix, host_dequantized, is_grouped, joined_columns
 
 GetTensor = Callable[[str], np.ndarray]  # transformers name -> array in transformers' [out, in] layout
 
@@ -41,9 +42,14 @@ def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress
     """The CausalLM state dict (numpy, `dtype`) from tensors named as in the family's transformers modules."""
     recipes = hf_recipes(config)
 
-    def read(recipe: LeafRecipe, layer: int | None) -> np.ndarray:
+    def read(recipe: LeafRecipe, layer: int | None) -> np.ndarray | GroupedMatrix:
         parts = [get(name.format(i=layer)) for name in recipe.names]
         parts = [part.T for part in parts] if recipe.transposed else parts
+        if any(is_grouped(part) for part in parts):
+            joined = joined_columns(parts)
+            if joined is not None:
+                return joined
+            parts = [host_dequantized(part) if is_grouped(part) else part for part in parts]
         return np.asarray(np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0], dtype=dtype)
 
     flat = {path: read(recipe, None) for path, recipe in recipes.items() if not recipe.per_layer}
@@ -52,14 +58,20 @@ def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress
         for path, recipe in recipes.items():
             if recipe.per_layer:
                 per_layer.setdefault(path, []).append(read(recipe, i))
-    flat.update({path: np.stack(stack) for path, stack in per_layer.items()})
+    stacked = {
+        path: jax.tree_util.tree_map(lambda *layers: np.stack(layers), *stack)
+        for path, stack in per_layer.items()
+    }
+    flat.update(stacked)
     return unflatten_dict(flat, sep="/")
 
 
 def param_stats(params: dict) -> tuple[int, int]:
-    """(number of parameters, bytes) of a params pytree."""
-    leaves = jax.tree_util.tree_leaves(params)
-    return sum(int(x.size) for x in leaves), sum(int(x.size) * x.dtype.itemsize for x in leaves)
+    """(number of parameters, bytes) of a params pytree; a GroupedMatrix counts a parameter a code."""
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_grouped)
+    count = sum(int(np.prod(np.shape(x))) for x in leaves)
+    arrays = jax.tree_util.tree_leaves(params)
+    return count, sum(int(x.size) * x.dtype.itemsize for x in arrays)
 
 
 def random_params(config: ModelConfig, seed: int = 0, dtype=np.float32, std: float = 0.02) -> dict:
@@ -104,16 +116,18 @@ def weights_spec(params: dict) -> dict:
 
 
 def check_same_leaves(expected: dict, given: dict, given_as: str = "the new weights") -> None:
-    """`given` must have `expected`'s leaves (same paths, shapes, dtypes), so every compiled step takes them;
-    raises ValueError naming the first leaf that differs."""
+    """`given` must have `expected`'s leaves (same paths, shapes, dtypes; a GroupedMatrix stands for a leaf of its
+    shape), so every compiled step takes them; raises ValueError naming the first leaf that differs."""
     flatten = jax.tree_util.tree_flatten_with_path
     ours = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(expected)[0]}
-    theirs = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(given)[0]}
+    theirs = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(given, is_leaf=is_grouped)[0]}
     for path, leaf in ours.items():
         if path not in theirs:
             raise ValueError(f"params{path} is missing from {given_as}")
         other = theirs[path]
         shape, dtype = np.shape(other), getattr(other, "dtype", None)
+        if is_grouped(other):
+            shape, dtype = other.shape, leaf.dtype
         if shape != np.shape(leaf) or dtype != leaf.dtype:
             raise ValueError(
                 f"params{path} is {dtype}{list(shape)} in {given_as}, the model's is {leaf.dtype}"

@@ -25,6 +25,17 @@ LAYER_MATRICES = {
 }
 
 
+class WholeLeaf:
+    """A pytree of arrays that stands in the place of one weight array in the model's state (a quantized matrix):
+    the layer scan slices its arrays like any leaf, and the modules hand it whole to the products."""
+
+    def __getitem__(self, index):
+        """Itself for `[...]`, which is how an nnx.Param hands over its value."""
+        if index is not Ellipsis:
+            raise TypeError(f"a {type(self).__name__} is read whole ([...])")
+        return self
+
+
 class MatrixProducts(Protocol):
     """How the model multiplies by its weights, for one layout of them. `rows` is how many leading rows of x are
     live (the rest is padding, which a layout may skip and leave zero)."""

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.config import QUANTIZATIONS
-from jpaged.models.products import LAYER_MATRICES, StackedProducts
+from jpaged.models.products import LAYER_MATRICES, StackedProducts, WholeLeaf
 
 _LARGEST = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude each stores (e4m3's finite maximum)
 _DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -31,17 +31,11 @@ _DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class QuantizedMatrix:
+class QuantizedMatrix(WholeLeaf):
     """A matrix [..., K, N] as `values` (int8 or float8_e4m3fn) times `scale` [..., 1, N] (float32)."""
 
     values: jax.Array
     scale: jax.Array
-
-    def __getitem__(self, index) -> QuantizedMatrix:
-        """Itself for `[...]`, which is how an nnx.Param hands over its value."""
-        if index is not Ellipsis:
-            raise TypeError("a QuantizedMatrix is read whole ([...])")
-        return self
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -97,11 +97,11 @@ class LeaderRunner:
         )
 
 
-def load_model_everywhere(model: str | None, dtype, *, lazy: bool) -> LoadedModel:
+def load_model_everywhere(model: str | None, dtype, *, lazy: bool, keep_blocks: bool = False) -> LoadedModel:
     """`load_model`, with every follower loading the same model (from the same path on its host) meanwhile."""
     if jax.process_count() > 1 and jax.process_index() == 0:
-        _channel().send((None, "load", (model, str(jnp.dtype(dtype)), lazy)))
-    return load_model(model, dtype, lazy=lazy)
+        _channel().send((None, "load", (model, str(jnp.dtype(dtype)), lazy, keep_blocks)))
+    return load_model(model, dtype, lazy=lazy, keep_blocks=keep_blocks)
 
 
 def start_runner(

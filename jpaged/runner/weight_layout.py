@@ -3,7 +3,9 @@
 Accelerators, and a CPU where the C++ matmul kernel cannot be built, keep the loaders' stacks and XLA's dots
 (`models.products.StackedProducts`). On CPU the four big matrices of each layer are kept as panels of 16 columns for
 the kernel (jpaged/pallas/cpu/matmul.py), which reads a layer's matrix in place in the stack and computes only the
-step's live rows; the LM head as panels too (scripts/bench_matmul.py times it against XLA's dots).
+step's live rows; the LM head as panels too (scripts/bench_matmul.py times it against XLA's dots). Group-quantized
+layer matrices (a GGUF's blocks kept, models/grouped.py) become GroupedPanels for the grouped kernel
+(jpaged/pallas/cpu/grouped_matmul.py), or off the CPU are dequantised where they are used (GroupedProducts).
 """
 
 from __future__ import annotations
@@ -15,15 +17,35 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jpaged.config import QUANTIZATIONS
+from jpaged.models.grouped import GROUPED, GroupedMatrix, is_grouped
 from jpaged.models.llama import params_dtype
-from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, act_and_mul
+from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, WholeLeaf, act_and_mul
 from jpaged.models.quantized import QuantizedProducts
+from jpaged.pallas.cpu import grouped_matmul
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
 logger = logging.getLogger(__name__)
 
 CPU_AUTO_DTYPE_ENV = "JPAGED_CPU_AUTO_DTYPE"
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class GroupedPanels(WholeLeaf):
+    """A stack of GroupedMatrix as the grouped kernel reads it (grouped_matmul.pack's panels)."""
+
+    codes: jax.Array
+    scale: jax.Array
+    bias: jax.Array
+
+    @classmethod
+    def of(cls, matrix: GroupedMatrix, gated: bool) -> GroupedPanels:
+        return cls(*grouped_matmul.pack(matrix.codes, matrix.scale, matrix.bias, bits=matrix.bits, gated=gated))
+
+    def panels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.codes, self.scale, self.bias
 
 
 @dataclass(frozen=True)
@@ -55,8 +77,11 @@ class PanelProducts:
         for name, path in LAYER_MATRICES.items():
             *parents, leaf = path
             node = _at(laid_out["layers"], parents)
-            pack = cpu_matmul.pack_gated if name == "gate_up" and self.gated_form else cpu_matmul.pack
-            node[leaf] = pack(node[leaf])
+            gated = name == "gate_up" and self.gated_form
+            if is_grouped(node[leaf]):
+                node[leaf] = GroupedPanels.of(node[leaf], gated)
+            else:
+                node[leaf] = (cpu_matmul.pack_gated if gated else cpu_matmul.pack)(node[leaf])
         if self.tied:
             laid_out["embed"]["weight"] = cpu_matmul.pack(params["embed"]["weight"].T)
         else:
@@ -67,9 +92,13 @@ class PanelProducts:
         return cpu_matmul.columns(weight, token_ids) if self.tied else weight[token_ids]
 
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
+        if isinstance(weight, GroupedPanels):
+            return grouped_matmul.matmul(x, weight.panels(), dict(self.widths)[name], layer=layer, rows=rows)
         return cpu_matmul.matmul(x, weight, dict(self.widths)[name], layer=layer, rows=rows)
 
     def gated(self, weight, x, layer, rows, sizes, activation) -> jax.Array:
+        if self.gated_form and isinstance(weight, GroupedPanels):
+            return grouped_matmul.gated_matmul(x, weight.panels(), sizes[0], layer=layer, rows=rows)
         if self.gated_form:
             return cpu_matmul.gated_matmul(x, weight, sizes[0], layer=layer, rows=rows)
         return act_and_mul(
@@ -92,9 +121,10 @@ def choose_products(
     """The products for these params (arrays or ShapeDtypeStructs) of a model whose MLP takes `activation`
     (ModelConfig.hidden_activation): `auto` takes the CPU kernel's panels where the backend is the CPU and the
     kernel builds and takes the dtype, else the stacks; `stacked` and `panels` force one (tests and benchmarks
-    compare them). With `quantization` (EngineConfig's), the layer matrices are held quantized
-    (models.quantized), multiplied by XLA's native int8/fp8 dots."""
-    if quantization is not None:
+    compare them). With `quantization` (EngineConfig's int8 or fp8), the layer matrices are held quantized
+    (models.quantized), multiplied by XLA's native int8/fp8 dots. Group-quantized matrices in the params go to
+    the grouped kernel with the panels, else are dequantised where used (GroupedProducts)."""
+    if quantization in QUANTIZATIONS:
         return QuantizedProducts(scheme=quantization)
     if layout == "auto":
         on_cpu = jax.default_backend() == "cpu"
@@ -102,7 +132,8 @@ def choose_products(
     if layout == "panels":
         return PanelProducts.for_params(params, activation)
     if layout == "stacked":
-        return STACKED
+        grouped = any(map(is_grouped, jax.tree_util.tree_leaves(params, is_leaf=is_grouped)))
+        return GROUPED if grouped else STACKED
     raise ValueError(f"layout must be 'auto', 'stacked' or 'panels', got {layout!r}")
 
 
