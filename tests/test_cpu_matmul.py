@@ -77,12 +77,13 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(dtype):
 
 
 # Builds that take paths -march=native may not take here: AVX2's eight-lane blocks, AVX-512 without BF16 (bfloat16
-# panels widened in registers), and the AMX tiles, run on a model of their instructions (tests/amx_model.h) where
+# panels widened in registers), AVX-512-BF16 without AMX (vdpbf16ps), and the AMX tiles, run on a model of their instructions (tests/amx_model.h) where
 # the CPU has none: (march, extra flags, the CPU flags its code needs).
 AVX512 = {"avx2", "fma", "bmi2", "movbe", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 BUILDS = {
     "x86-64-v3": ("x86-64-v3", (), {"avx2", "fma", "bmi2", "movbe"}),
     "x86-64-v4": ("x86-64-v4", (), AVX512),
+    "avx512-bf16": ("cooperlake", (), AVX512 | {"avx512_bf16"}),
     "amx-model": ("native", ("-DJPAGED_AMX_MODEL", f"-I{Path(__file__).parent}"), AVX512 | {"avx512_bf16"}),
     "amx": ("sapphirerapids", (), AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}),
 }

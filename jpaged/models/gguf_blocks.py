@@ -26,12 +26,13 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _grouped(codes: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int) -> GroupedMatrix:
-    """Scale and bias as float16 where that holds them exactly, else float32."""
+    """The [out, in] matrix of a GGUF's rows (codes [out, in], scale and bias [out, in / G]) stored grouped along
+    `in`, so transposed; scale and bias as float16 where that holds them exactly, else float32."""
     scale, bias = scale.astype(np.float32), bias.astype(np.float32)
     halves = [a.astype(np.float16) for a in (scale, bias)]
     if all(np.array_equal(h.astype(np.float32), a) for h, a in zip(halves, (scale, bias), strict=True)):
         scale, bias = halves
-    return GroupedMatrix(codes, scale, bias, bits)
+    return GroupedMatrix(codes.T, scale.T, bias.T, bits, transposed=True)
 
 
 def _q4_0(blocks: np.ndarray) -> GroupedMatrix:
@@ -70,8 +71,8 @@ KEPT_TYPES = tuple(_BLOCK_TYPES)
 
 
 def grouped_tensor(tensor) -> GroupedMatrix | None:
-    """A GGUF matrix (a gguf ReaderTensor) as a GroupedMatrix in transformers' [out, in] layout, or None where
-    its type is not one kept as blocks."""
+    """A GGUF matrix (a gguf ReaderTensor) as a GroupedMatrix standing for transformers' [out, in] layout, or None
+    where its type is not one kept as blocks."""
     kind = _BLOCK_TYPES.get(tensor.tensor_type.name)
     if kind is None or len(tensor.shape) != 2:
         return None

@@ -1,7 +1,7 @@
 """GGUF files are converted once: the result (params as safetensors, the config, the tokenizer) is kept under
 $JPAGED_CACHE_DIR (default ~/.cache/jpaged)/gguf, keyed by the file's path, size and modification time and by the
-form of the params: float32, or with the layers' quantized matrices kept as blocks (GroupedMatrix: its codes, scale
-and bias stored as `<path>#codes`... and its bits in the file's metadata).
+form of the params: float32, or with the quantized matrices kept as blocks (GroupedMatrix: its codes, scale and bias
+stored as `<path>#codes`..., its bits and orientation in the file's metadata).
 
 Parsing a GGUF's metadata (a 49k-entry vocabulary) and dequantising its tensors takes many times longer than
 reading the converted copy back (README: loading the default model). A read-only or full cache directory only
@@ -30,7 +30,7 @@ from jpaged.models.lazy_weights import StoredWeight
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # bump when the conversion changes, so older copies are not reused
+FORMAT_VERSION = 4  # bump when the conversion changes, so older copies are not reused
 _CONFIG_FILE = "jpaged_config.json"  # not config.json: transformers would read it as its own
 _PARAMS_FILE = "params.safetensors"
 
@@ -70,7 +70,7 @@ def load_converted(
 def _regrouped(file: Path, dtype) -> dict:
     """A stored conversion's flat params: float ones cast to `dtype`, GroupedMatrix ones put back together."""
     with safe_open(file, framework="numpy") as stored:
-        bits = {name: int(b) for name, b in (stored.metadata() or {}).items()}
+        forms = {name: json.loads(form) for name, form in (stored.metadata() or {}).items()}
     flat: dict = {}
     for name, array in load_file(file).items():
         path, _, field = name.partition("#")
@@ -78,8 +78,8 @@ def _regrouped(file: Path, dtype) -> dict:
             flat.setdefault(path, {})[field] = array
         else:
             flat[path] = array.astype(dtype, copy=False)
-    for path, bits_of in bits.items():
-        flat[path] = GroupedMatrix(**flat[path], bits=bits_of)
+    for path, form in forms.items():
+        flat[path] = GroupedMatrix(**flat[path], **form, dtype=np.dtype(dtype))
     return flat
 
 
@@ -89,10 +89,10 @@ def store_converted(
     """Save a conversion; written to a temporary directory and renamed, so a reader never sees half of one."""
     directory = converted_dir(gguf_path, blocks)
     partial = directory.with_name(directory.name + f".partial-{os.getpid()}")
-    flat, bits = {}, {}
+    flat, forms = {}, {}
     for name, value in flatten_dict(params, sep="/").items():
         if is_grouped(value):
-            bits[name] = str(value.bits)
+            forms[name] = json.dumps({"bits": value.bits, "transposed": value.transposed})
             flat.update(
                 {f"{name}#{field}": np.ascontiguousarray(getattr(value, field)) for field in GROUPED_FIELDS}
             )
@@ -100,7 +100,7 @@ def store_converted(
             flat[name] = np.ascontiguousarray(value, np.float32)
     try:
         partial.mkdir(parents=True, exist_ok=True)
-        save_file(flat, partial / _PARAMS_FILE, metadata=bits or None)
+        save_file(flat, partial / _PARAMS_FILE, metadata=forms or None)
         (partial / _CONFIG_FILE).write_text(json.dumps(config.to_json_dict(), indent=2))
         tokenizer.save_pretrained(str(partial))
         partial.rename(directory)

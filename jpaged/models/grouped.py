@@ -1,16 +1,18 @@
-"""Layer matrices held group-quantized, as a checkpoint ships them (GGUF's Q4_0, Q4_1 and Q8_0 blocks kept as
-blocks): `GroupedMatrix` holds integer codes and, for each group of G consecutive inputs of an output column, a scale
-and a bias, w[k, n] = scale[k // G, n] * codes[k, n] + bias[k // G, n].
+"""Matrices held group-quantized, as a checkpoint ships them (GGUF's Q4_0, Q4_1, Q8_0 and Q4_K blocks kept as
+blocks): `GroupedMatrix` stores integer codes [..., K, N] and, for each group of G consecutive k of a column n, a
+scale and a bias [..., K / G, N]: w[k, n] = scale[k // G, n] * codes[k, n] + bias[k // G, n].
 
 A GroupedMatrix is a pytree in the place of a float leaf in the loaders' params and the model's state (the layer
-scan slices its arrays like any leaf); the host-side loaders transpose, join and stack it with `tree_map`.
-`GroupedProducts` multiplies by it the XLA way, dequantise-then-dot in the model's dtype: the accelerators' form
-until they have kernels of their own, and the reference the CPU kernel (jpaged/pallas/cpu/grouped_matmul.py) is
-held to.
+scan slices its arrays like any leaf); the host-side loaders join and stack it with `tree_map`. It may stand for the
+transpose of what it stores (`transposed`): an embedding [V, D] is stored as the LM head multiplies it, [D, V],
+grouped along D, as a GGUF's rows are. `GroupedProducts` multiplies by it the XLA way, dequantise-then-dot in the
+model's dtype: the accelerators' form until they have kernels of their own, and the reference the CPU kernel
+(jpaged/pallas/cpu/grouped_matmul.py) is held to.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import jax
@@ -19,21 +21,27 @@ import numpy as np
 
 from jpaged.models.products import StackedProducts, WholeLeaf
 
+_STATIC = dict(static=True)
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class GroupedMatrix(WholeLeaf):
-    """A matrix [..., K, N]: codes (uint8 or int8, `bits` significant) [..., K, N], scale and bias (float16 or
-    float32) [..., K / G, N]."""
+    """codes (uint8 or int8, `bits` significant) [..., K, N], scale and bias (float16 or float32) [..., K / G, N];
+    the matrix they make, or its transpose where `transposed`, stands for a float leaf of `dtype`."""
 
     codes: jax.Array | np.ndarray
     scale: jax.Array | np.ndarray
     bias: jax.Array | np.ndarray
-    bits: int = field(default=8, metadata=dict(static=True))
+    bits: int = field(default=8, metadata=_STATIC)
+    transposed: bool = field(default=False, metadata=_STATIC)
+    dtype: np.dtype = field(default=np.dtype(np.float32), metadata=_STATIC)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.codes.shape)
+        """The shape of the matrix it stands for."""
+        *lead, k, n = self.codes.shape
+        return (*lead, n, k) if self.transposed else (*lead, k, n)
 
     @property
     def group_size(self) -> int:
@@ -41,8 +49,11 @@ class GroupedMatrix(WholeLeaf):
 
     @property
     def T(self) -> GroupedMatrix:  # noqa: N802 (numpy's name)
-        """From transformers' [out, in] (groups along `in`) to the model's [in, out], as a float weight is."""
-        return jax.tree_util.tree_map(lambda a: np.swapaxes(a, -1, -2), self)
+        """The transpose, the same arrays seen the other way."""
+        return dataclasses.replace(self, transposed=not self.transposed)
+
+    def standing_for(self, dtype) -> GroupedMatrix:
+        return dataclasses.replace(self, dtype=np.dtype(dtype))
 
 
 GROUPED_FIELDS = ("codes", "scale", "bias")  # the arrays of a GroupedMatrix
@@ -52,41 +63,67 @@ def is_grouped(leaf) -> bool:
     return isinstance(leaf, GroupedMatrix)
 
 
-def dequantize(matrix: GroupedMatrix, dtype) -> jax.Array:
-    """The float matrix [..., K, N] in `dtype`, computed in float32 and rounded once."""
+def _dequantized(matrix: GroupedMatrix, xp):
+    """float32 w of the stored arrays with numpy or jax.numpy (`xp`), transposed where the matrix says."""
     g = matrix.group_size
-    scale = jnp.repeat(jnp.asarray(matrix.scale, jnp.float32), g, axis=-2)
-    bias = jnp.repeat(jnp.asarray(matrix.bias, jnp.float32), g, axis=-2)
-    return (jnp.asarray(matrix.codes).astype(jnp.float32) * scale + bias).astype(dtype)
+    scale, bias = (
+        xp.repeat(xp.asarray(a).astype(np.float32), g, axis=-2) for a in (matrix.scale, matrix.bias)
+    )
+    w = xp.asarray(matrix.codes).astype(np.float32) * scale + bias
+    return xp.swapaxes(w, -1, -2) if matrix.transposed else w
+
+
+def dequantize(matrix: GroupedMatrix, dtype=None) -> jax.Array:
+    """The float matrix in `dtype` (default the one it stands for), computed in float32 and rounded once."""
+    return _dequantized(matrix, jnp).astype(dtype or matrix.dtype)
 
 
 def host_dequantized(matrix: GroupedMatrix) -> np.ndarray:
     """The float32 matrix on the host (numpy)."""
-    g = matrix.group_size
-    scale, bias = (np.repeat(np.asarray(a, np.float32), g, axis=-2) for a in (matrix.scale, matrix.bias))
-    return np.asarray(matrix.codes, np.float32) * scale + bias
+    return _dequantized(matrix, np)
 
 
 def joined_columns(parts: list) -> GroupedMatrix | None:
     """Matrices [K, N_i] side by side (q|k|v, gate|up) as one GroupedMatrix, or None where they are not all
-    GroupedMatrix of one form (bits, dtypes, group size): a checkpoint may mix block types."""
+    GroupedMatrix of one form (bits, dtypes, group size, not transposed): a checkpoint may mix block types."""
+    if len(parts) == 1:
+        return parts[0] if is_grouped(parts[0]) else None
     first = parts[0]
     form = (first.bits, first.codes.dtype, first.scale.dtype, first.group_size) if is_grouped(first) else None
     for part in parts:
-        if not is_grouped(part) or (part.bits, part.codes.dtype, part.scale.dtype, part.group_size) != form:
+        if not is_grouped(part) or part.transposed:
+            return None
+        if (part.bits, part.codes.dtype, part.scale.dtype, part.group_size) != form:
             return None
     return jax.tree_util.tree_map(lambda *columns: np.concatenate(columns, axis=-1), *parts)
 
 
+def embedding_rows(matrix: GroupedMatrix, token_ids: jax.Array) -> jax.Array:
+    """Rows `token_ids` of an embedding [V, D] held transposed (stored [D, V]), dequantised: [T, D]."""
+    if not matrix.transposed:
+        raise ValueError("a grouped embedding is stored transposed, [D, V], grouped along D")
+    columns = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[..., token_ids], matrix)
+    return dequantize(columns)
+
+
 @dataclass(frozen=True)
 class GroupedProducts(StackedProducts):
-    """XLA's dots on the layer matrices dequantised where they are used (GroupedMatrix leaves; float ones, and the
-    embedding and LM head, as StackedProducts multiplies them)."""
+    """XLA's dots on GroupedMatrix leaves dequantised where they are used (float ones as StackedProducts
+    multiplies them)."""
 
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
         if is_grouped(weight):
             return x @ dequantize(weight, x.dtype)
         return super().layer(name, weight, x, layer, rows)
+
+    def embed(self, weight, token_ids: jax.Array) -> jax.Array:
+        return embedding_rows(weight, token_ids) if is_grouped(weight) else weight[token_ids]
+
+    def lm_head(self, weight, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
+        if is_grouped(weight):
+            head = dequantize(weight.T if tied else weight, h.dtype)
+            return jnp.dot(h, head, preferred_element_type=jnp.float32)
+        return super().lm_head(weight, h, rows, tied=tied)
 
 
 GROUPED = GroupedProducts()

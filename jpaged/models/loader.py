@@ -130,7 +130,9 @@ def load_model(
             tokenizer = gguf_tokenizer(fields)
             store_converted(source.path, config, params, tokenizer, blocks=keep_blocks)
             params = jax.tree_util.tree_map(
-                lambda x: x if is_grouped(x) else x.astype(dtype, copy=False), params, is_leaf=is_grouped
+                lambda x: x.standing_for(dtype) if is_grouped(x) else x.astype(dtype, copy=False),
+                params,
+                is_leaf=is_grouped,
             )
         else:
             config, params, tokenizer = converted

@@ -13,6 +13,7 @@ import numpy as np
 from jpaged.models.config import ModelConfig
 from jpaged.models.families import family_of
 from jpaged.models.gguf_blocks import grouped_tensor
+from jpaged.models.grouped import is_grouped
 from jpaged.models.params import GetTensor
 
 
@@ -83,7 +84,7 @@ def gguf_reader(path: Path, config: ModelConfig, *, keep_blocks: bool = False) -
     permutation (llama) and its norm weights stored as (norm_offset + w) (Gemma). gguf's own tensor-name map for the
     file's architecture names each transformers tensor, so a family's checkpoint names (Gemma's
     `pre_feedforward_layernorm`, Phi-3's fused `qkv_proj`) find their GGUF tensors without a table here.
-    `keep_blocks`: the layers' matrices of a block type the kernels read come as GroupedMatrix (gguf_blocks.py)."""
+    `keep_blocks`: matrices of a block type the kernels read come as GroupedMatrix (gguf_blocks.py)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -97,13 +98,16 @@ def gguf_reader(path: Path, config: ModelConfig, *, keep_blocks: bool = False) -
         if gguf_name not in tensors:
             raise ValueError(f"weight {name!r} ({gguf_name or 'no GGUF name'}) missing from {path}")
         tensor = tensors[gguf_name]
-        array = grouped_tensor(tensor) if keep_blocks and gguf_name.startswith("blk.") else None
+        array = grouped_tensor(tensor) if keep_blocks else None
         if array is None:
             shape = tuple(int(d) for d in reversed(tensor.shape))
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if permutes_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            array = jax.tree_util.tree_map(lambda rows: _unpermute_rows(rows, heads), array)
+            if is_grouped(array):  # its rows are the stored arrays' columns
+                array = jax.tree_util.tree_map(lambda stored: _unpermute_rows(stored.T, heads).T, array)
+            else:
+                array = _unpermute_rows(array, heads)
         if config.norm_offset and name.endswith("norm.weight"):
             array = array - np.float32(config.norm_offset)
         return array

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jpaged.config import QUANTIZATIONS
-from jpaged.models.grouped import GROUPED, GroupedMatrix, is_grouped
+from jpaged.models.grouped import GROUPED, GroupedMatrix, embedding_rows, is_grouped
 from jpaged.models.llama import params_dtype
 from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, WholeLeaf, act_and_mul
 from jpaged.models.quantized import QuantizedProducts
@@ -39,13 +40,23 @@ class GroupedPanels(WholeLeaf):
     codes: jax.Array
     scale: jax.Array
     bias: jax.Array
+    bits: int = field(metadata=dict(static=True))
+    dtype: np.dtype = field(metadata=dict(static=True))  # of the float matrix it stands for
 
     @classmethod
-    def of(cls, matrix: GroupedMatrix, gated: bool) -> GroupedPanels:
-        return cls(*grouped_matmul.pack(matrix.codes, matrix.scale, matrix.bias, bits=matrix.bits, gated=gated))
+    def of(cls, matrix: GroupedMatrix, gated: bool = False) -> GroupedPanels:
+        """The panels of a matrix [K, N] (not transposed)."""
+        if matrix.transposed:
+            raise ValueError("panels are made of a GroupedMatrix as stored, [K, N]")
+        panels = grouped_matmul.pack(matrix.codes, matrix.scale, matrix.bias, bits=matrix.bits, gated=gated)
+        return cls(*panels, matrix.bits, matrix.dtype)
 
     def panels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         return self.codes, self.scale, self.bias
+
+    def columns(self, ids: jax.Array) -> jax.Array:
+        """w[:, ids].T [len(ids), K] in the dtype it stands for (a tied embedding's rows from the LM head's)."""
+        return grouped_matmul.columns(self.panels(), ids, bits=self.bits).astype(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -77,19 +88,19 @@ class PanelProducts:
         for name, path in LAYER_MATRICES.items():
             *parents, leaf = path
             node = _at(laid_out["layers"], parents)
-            gated = name == "gate_up" and self.gated_form
-            if is_grouped(node[leaf]):
-                node[leaf] = GroupedPanels.of(node[leaf], gated)
-            else:
-                node[leaf] = (cpu_matmul.pack_gated if gated else cpu_matmul.pack)(node[leaf])
+            node[leaf] = _panels(node[leaf], gated=name == "gate_up" and self.gated_form)
         if self.tied:
-            laid_out["embed"]["weight"] = cpu_matmul.pack(params["embed"]["weight"].T)
+            laid_out["embed"]["weight"] = _panels(params["embed"]["weight"].T)
         else:
-            laid_out["lm_head"] = cpu_matmul.pack(params["lm_head"])
+            laid_out["lm_head"] = _panels(params["lm_head"])
         return laid_out
 
-    def embed(self, weight: jax.Array, token_ids: jax.Array) -> jax.Array:
-        return cpu_matmul.columns(weight, token_ids) if self.tied else weight[token_ids]
+    def embed(self, weight, token_ids: jax.Array) -> jax.Array:
+        if isinstance(weight, GroupedPanels):
+            return weight.columns(token_ids)
+        if self.tied:
+            return cpu_matmul.columns(weight, token_ids)
+        return embedding_rows(weight, token_ids) if is_grouped(weight) else weight[token_ids]
 
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
         if isinstance(weight, GroupedPanels):
@@ -105,8 +116,19 @@ class PanelProducts:
             self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups, activation
         )
 
-    def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
-        return cpu_matmul.matmul(h, weight, self.vocab_size, rows=rows, out_dtype=jax.numpy.float32)
+    def lm_head(self, weight, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
+        if isinstance(weight, GroupedPanels):
+            return grouped_matmul.matmul(
+                h, weight.panels(), self.vocab_size, rows=rows, out_dtype=jnp.float32
+            )
+        return cpu_matmul.matmul(h, weight, self.vocab_size, rows=rows, out_dtype=jnp.float32)
+
+
+def _panels(matrix, gated: bool = False):
+    """A matrix [K, N] as its kernel's panels: GroupedPanels of a GroupedMatrix, else the dense kernel's."""
+    if is_grouped(matrix):
+        return GroupedPanels.of(matrix, gated)
+    return (cpu_matmul.pack_gated if gated else cpu_matmul.pack)(matrix)
 
 
 def _at(tree: dict, path) -> dict:

@@ -54,28 +54,32 @@ inline void DequantiseGroup(const Code* codes, const S* scale, const S* bias, in
 }
 
 #if defined(__AVX512BF16__)
-// The same rows as bfloat16 pairs, as PrePairedSteps and the tiles read them: rows k and k + 1 of each column side
-// by side (count even), each rounded to nearest even.
+// Rows k and k + 1 of a panel's codes scaled and shifted in float32, as bfloat16 pairs (rows k and k + 1 of each
+// column side by side, each rounded to nearest even), as PrePairedSteps and vdpbf16ps take them.
+template <bool kPacked, typename Code>
+inline __m512bh PairedRows(const Code* codes, int k, __m512 s, __m512 b) {
+  __m512i first, second;
+  if constexpr (kPacked) {
+    const Code* pair = codes + (k / 2) * kPanel;
+    __builtin_prefetch(pair + 64 * kPanel);
+    const __m512i both = Widen(pair);
+    first = _mm512_and_si512(both, _mm512_set1_epi32(15)), second = _mm512_srli_epi32(both, 4);
+  } else {
+    const Code* row = codes + k * kPanel;
+    __builtin_prefetch(row + 32 * kPanel);
+    first = Widen(row), second = Widen(row + kPanel);
+  }
+  const __m512bh rows = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s, _mm512_cvtepi32_ps(second), b),
+                                            _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(first), b));
+  return (__m512bh)_mm512_permutexvar_epi16(PairIndex(), (__m512i)rows);
+}
+
+// A group's rows [k0, k0 + count) of a panel as PairedRows, stored from `out` on (count even).
 template <bool kPacked, typename Code, typename S>
 inline void DequantisePairs(const Code* codes, const S* scale, const S* bias, int k0, int count, uint16_t* out) {
   const __m512 s = Load16(scale), b = Load16(bias);
-  const __m512i pairs = PairIndex();
-  for (int k = k0; k < k0 + count; k += 2) {
-    __m512i first, second;
-    if constexpr (kPacked) {
-      const Code* pair = codes + (k / 2) * kPanel;
-      __builtin_prefetch(pair + 64 * kPanel);
-      const __m512i both = Widen(pair);
-      first = _mm512_and_si512(both, _mm512_set1_epi32(15)), second = _mm512_srli_epi32(both, 4);
-    } else {
-      const Code* row = codes + k * kPanel;
-      __builtin_prefetch(row + 32 * kPanel);
-      first = Widen(row), second = Widen(row + kPanel);
-    }
-    const __m512bh rows = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s, _mm512_cvtepi32_ps(second), b),
-                                              _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(first), b));
-    _mm512_storeu_si512(out + k * kPanel, _mm512_permutexvar_epi16(pairs, (__m512i)rows));
-  }
+  for (int k = k0; k < k0 + count; k += 2)
+    _mm512_storeu_si512(out + (k - k0) * kPanel, (__m512i)PairedRows<kPacked>(codes, k, s, b));
 }
 #endif
 #else
@@ -114,6 +118,22 @@ struct Grouped {
   // rows.
   bool Paired() const { return kTakesPairedPanels && group % 2 == 0; }
 
+#if defined(JPAGED_MATMUL_AVX512) && defined(__AVX512BF16__)
+  // Panel p's rows [k0, k0 + count) as bfloat16 pairs (DequantisePairs), whatever groups they span; count even.
+  void PairsOf(int p, int k0, int count, uint16_t* out) const {
+    const int64_t groups = K / group;
+    const Code* panel_codes = codes + p * (packed ? K / 2 : K) * kPanel;
+    for (int k = k0; k < k0 + count;) {
+      const int g = k / group, end = std::min(k0 + count, (g + 1) * group);
+      const S *group_scale = scale + (p * groups + g) * kPanel, *group_bias = bias + (p * groups + g) * kPanel;
+      uint16_t* at = out + (k - k0) * kPanel;
+      if (packed) DequantisePairs<true>(panel_codes, group_scale, group_bias, k, end - k, at);
+      else DequantisePairs<false>(panel_codes, group_scale, group_bias, k, end - k, at);
+      k = end;
+    }
+  }
+#endif
+
   // Panels [first, first + count) dequantised into the thread's buffer (bfloat16 ones paired where Paired()).
   template <typename T>
   const T* Dequantised(int first, int count) const {
@@ -130,8 +150,7 @@ struct Grouped {
         if constexpr (std::is_same<T, uint16_t>::value) {
           if (Paired()) {
             const S *group_scale = panel_scale + g * kPanel, *group_bias = panel_bias + g * kPanel;
-            if (packed) DequantisePairs<true>(panel_codes, group_scale, group_bias, g * group, group, out);
-            else DequantisePairs<false>(panel_codes, group_scale, group_bias, g * group, group, out);
+            PairsOf(first + p, g * group, group, out + g * group * kPanel);
             continue;
           }
         }
@@ -147,12 +166,112 @@ struct Grouped {
   }
 };
 
+#if defined(JPAGED_MATMUL_AVX512) && defined(__AVX512BF16__)
+// MR (<= 8) rows times an item's NP panels, each pair of rows of codes dequantised in registers as it is used: the
+// operations of PrePairedSteps' row block over the dequantised buffer (the same sums in the same order, so the same
+// bits), without the buffer's stores and loads. Decode-sized products, where dequantising dominates, take it.
+template <int MR, int NP, bool kGated, bool kPacked, typename Code, typename S, typename Out>
+void FusedBlock(const uint16_t* x, const Grouped<Code, S>& w, int first, Out* out, int64_t ldo, int width) {
+  const int K = w.K, groups = K / w.group;
+  const int64_t code_rows = kPacked ? K / 2 : K;
+  __m512 acc[NP][MR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    __m512 s[NP], b[NP];
+    const Code* codes[NP];
+    for (int p = 0; p < NP; ++p) {
+      const int64_t at = (static_cast<int64_t>(first + p) * groups + g) * kPanel;
+      s[p] = Load16(w.scale + at), b[p] = Load16(w.bias + at);
+      codes[p] = w.codes + (first + p) * code_rows * kPanel;
+    }
+    for (int k = g * w.group; k < (g + 1) * w.group; k += 2) {
+      __m512bh pairs[NP];
+      for (int p = 0; p < NP; ++p) pairs[p] = PairedRows<kPacked>(codes[p], k, s[p], b[p]);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh xs = PairSteps::Broadcast(x + m * K, k);
+        for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_dpbf16_ps(acc[p][m], pairs[p], xs);
+      }
+    }
+  }
+  StoreBlock<MR, NP, kGated>(acc, out, ldo, width);
+}
+
+// The product of at most kWideRowBlock rows by FusedBlock, an item of two panels each.
+template <bool kGated, typename Out, typename Code, typename S>
+void RunFused(ffi::ThreadPool& pool, const uint16_t* x, const Grouped<Code, S>& w, Out* out, int M, int rows, int N) {
+  std::memset(out + static_cast<int64_t>(rows) * N, 0, sizeof(Out) * static_cast<int64_t>(M - rows) * N);
+  const int num_panels = NumPanels<kGated>(N);
+  const int num_items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
+  ParallelFor(pool, num_items, [&](int item) {
+    const int first = item * kPanelsPerItem, count = std::min(num_panels, first + kPanelsPerItem) - first;
+    Out* at = out + (kGated ? item : first) * kPanel;
+    const int width = kGated ? kPanel : std::min(kPanel, N - (first + count - 1) * kPanel);
+    ForRowBlocks<kWideRowBlock>(rows, 0, [&](auto mr, int) {
+      constexpr int MR = decltype(mr)::value;
+      auto block = [&](auto packed) {
+        constexpr bool kPacked = decltype(packed)::value;
+        if (count == 2) return FusedBlock<MR, 2, kGated, kPacked>(x, w, first, at, N, width);
+        if constexpr (!kGated) FusedBlock<MR, 1, false, kPacked>(x, w, first, at, N, width);
+      };
+      if (w.packed) return block(std::true_type{});
+      block(std::false_type{});
+    });
+    return true;
+  });
+}
+#endif
+
+#if defined(JPAGED_MATMUL_AMX)
+// bfloat16 products on the tiles, an item of two panels each, as the dense kernel's (panels.h TileRows): for up to
+// two tiles of rows, each 32 rows of k of the panels dequantised as the tiles ask for them, into 2 KiB that stay in
+// L1; for more, the item's panels dequantised once into the thread's buffer, which every row group reads. Taken
+// for any number of rows, so that a row's sums are summed alike whatever the batch.
+template <bool kGated, typename Out, typename Code, typename S>
+void RunTiles(ffi::ThreadPool& pool, const uint16_t* x, const Grouped<Code, S>& w, Out* out, int M, int rows, int N) {
+  std::memset(out + static_cast<int64_t>(rows) * N, 0, sizeof(Out) * static_cast<int64_t>(M - rows) * N);
+  const int num_panels = NumPanels<kGated>(N), K = w.K;
+  const int num_items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
+  ParallelFor(pool, num_items, [&](int item) {
+    if (rows == 0) return true;
+    const int first = item * kPanelsPerItem, count = std::min(num_panels, first + kPanelsPerItem) - first;
+    Out* at = out + (kGated ? item : first) * kPanel;
+    const int width = kGated ? kPanel : std::min(kPanel, N - (first + count - 1) * kPanel);
+    auto multiply = [&](auto paired_tile) {
+      if (count == 2) return TileRows<2, kGated>(x, rows, K, paired_tile, at, N, width);
+      if constexpr (!kGated) TileRows<1, false>(x, rows, K, paired_tile, at, N, width);
+    };
+    if (rows <= 2 * kTileRows) {
+      alignas(64) uint16_t tile[kPanelsPerItem][kTileK * kPanel];
+      multiply([&](int p, int k) {
+        w.PairsOf(first + p, k, kTileK, tile[p]);
+        return static_cast<const uint16_t*>(tile[p]);
+      });
+    } else {
+      const uint16_t* paired = w.template Dequantised<uint16_t>(first, count);
+      multiply([paired, K](int p, int k) { return paired + (static_cast<int64_t>(p) * K + k) * kPanel; });
+    }
+    return true;
+  });
+}
+#endif
+
 template <bool kGated, typename T, typename Out, typename Code, typename S>
 void Run(ffi::ThreadPool& pool, const T* x, const Grouped<Code, S>& w, Out* out, int M, int rows, int N) {
   auto item_panels = [&](int item, int count) { return w.template Dequantised<T>(item * kPanelsPerItem, count); };
   auto no_ahead = [](int) { return static_cast<const T*>(nullptr); };
   if constexpr (std::is_same<T, uint16_t>::value) {
-    if (w.Paired()) return RunItems<kGated, kTakesPairedPanels>(pool, x, out, M, rows, w.K, N, item_panels, no_ahead);
+    if (w.Paired()) {
+#if defined(JPAGED_MATMUL_AMX)
+      if (OnTiles(w.K)) return RunTiles<kGated>(pool, x, w, out, M, rows, N);
+#endif
+#if defined(JPAGED_MATMUL_AVX512) && defined(__AVX512BF16__)
+      if (rows <= kWideRowBlock) return RunFused<kGated>(pool, x, w, out, M, rows, N);
+#endif
+      return RunItems<kGated, kTakesPairedPanels>(pool, x, out, M, rows, w.K, N, item_panels, no_ahead);
+    }
   }
   RunItems<kGated>(pool, x, out, M, rows, w.K, N, item_panels, no_ahead);
 }

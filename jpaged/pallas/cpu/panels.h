@@ -191,6 +191,23 @@ inline __mmask16 ColumnMask(int p, int np, int width) {
   return p + 1 < np ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
 }
 
+// A row block's NP x MR accumulators stored: NP panels' columns (the last `width` wide), or with kGated the gated
+// form's one panel of outputs from a gate's and an up's sums.
+template <int MR, int NP, bool kGated, typename Out>
+inline void StoreBlock(const __m512 (&acc)[NP][MR], Out* out, int64_t ldo, int width) {
+  if constexpr (kGated) {
+    static_assert(NP == 2);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) StoreSums(GatedSums<Out>(acc[0][m], acc[1][m]), out + m * ldo, 0xFFFF);
+    return;
+  }
+  for (int p = 0; p < NP; ++p) {
+    const __mmask16 columns = ColumnMask(p, NP, width);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) StoreSums(acc[p][m], out + p * kPanel + m * ldo, columns);
+  }
+}
+
 // NP adjacent panels (NP x 16 columns) at once: NP x MR accumulators of sixteen lanes, each broadcast of x feeding
 // NP products, enough independent chains to cover the multiply's latency. A first block asks for the panels' rows
 // kAheadBytes early. The later blocks, which find the panels in cache, ask for the thread's next item's panels
@@ -231,17 +248,7 @@ inline void DotBlock(const X* x, int K, const T* panel, Out* out, int64_t ldo, i
       step(w, [k](const X* x_row) { return Steps::BroadcastLast(x_row, k); });
     }
   }
-  if constexpr (kGated) {  // panels (gate, up): one panel of outputs
-    static_assert(NP == 2);
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) StoreSums(GatedSums<Out>(acc[0][m], acc[1][m]), out + m * ldo, 0xFFFF);
-    return;
-  }
-  for (int p = 0; p < NP; ++p) {
-    const __mmask16 columns = ColumnMask(p, NP, width);
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) StoreSums(acc[p][m], out + p * kPanel + m * ldo, columns);
-  }
+  StoreBlock<MR, NP, kGated>(acc, out, ldo, width);
 }
 
 // NP panels side by side, the last one `width` columns wide (or a gate and an up panel, kGated); every row block
@@ -283,9 +290,10 @@ inline const uint16_t* PairedPanels(const uint16_t* panel, int K, int count) {
 // The item's product on the tiles, NP panels (one or two): rows in groups of up to two tiles of 16; tiles 0-3 hold
 // a group's sums (C[g][p] = 2g + p), 4-5 its x (A[g]), 6-7 the panels' pairs (B[p]); every x tile meets every panel
 // tile. Groups of fewer rows configure tiles of fewer rows, so no row past `rows` is read.
-template <int NP, bool kGated, bool kPaired, typename Out>
-void TilePanels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
-  const uint16_t* paired = kPaired ? panel : PairedPanels(panel, K, NP);
+// `paired_tile(p, k)` gives panel p's rows [k, k + 32) as the B operand takes them (16 pairs of rows, 64 bytes each,
+// contiguous): from PairedPanels' buffer (TilePanels), or dequantised as they are asked for (grouped_matmul.cc).
+template <int NP, bool kGated, typename Out, typename PairedTile>
+void TileRows(const uint16_t* x, int rows, int K, PairedTile paired_tile, Out* out, int N, int width) {
   const int64_t x_stride = static_cast<int64_t>(K) * sizeof(uint16_t), pair_stride = 2 * kPanel * sizeof(uint16_t);
   alignas(64) float sums[2][NP][kTileRows][kPanel];
   tiles::Config config;
@@ -309,8 +317,8 @@ void TilePanels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* 
     for (int k = 0; k < K; k += kTileK) {
       tiles::Load<4>(x + static_cast<int64_t>(m) * K + k, x_stride);
       if (two) tiles::Load<5>(x + static_cast<int64_t>(m + kTileRows) * K + k, x_stride);
-      tiles::Load<6>(paired + static_cast<int64_t>(k) * kPanel, pair_stride);
-      if (NP == 2) tiles::Load<7>(paired + (static_cast<int64_t>(K) + k) * kPanel, pair_stride);
+      tiles::Load<6>(paired_tile(0, k), pair_stride);
+      if (NP == 2) tiles::Load<7>(paired_tile(1, k), pair_stride);
       tiles::Dot<0, 4, 6>();
       if (NP == 2) tiles::Dot<1, 4, 7>();
       if (two) {
@@ -337,10 +345,19 @@ void TilePanels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* 
   }
   tiles::Release();
 }
+
+// The item's panels as they are stored (unpaired), on the tiles.
+template <int NP, bool kGated, typename Out>
+void TilePanels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
+  const uint16_t* paired = PairedPanels(panel, K, NP);
+  auto paired_tile = [paired, K](int p, int k) { return paired + (static_cast<int64_t>(p) * K + k) * kPanel; };
+  TileRows<NP, kGated>(x, rows, K, paired_tile, out, N, width);
+}
 #endif
 
 // A work item's `count` adjacent panels (one or two), the last `width` columns wide; with kGated, its two panels are
-// a gate's and an up's, `width` 16. kPaired: bfloat16 panels come paired already (kTakesPairedPanels builds).
+// a gate's and an up's, `width` 16. kPaired: bfloat16 panels come paired already (kTakesPairedPanels builds), and
+// are multiplied by vdpbf16ps, not the tiles, for any number of rows.
 template <bool kGated, bool kPaired = false, typename X, typename T, typename Out>
 void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T* ahead) {
 #if defined(__AVX512BF16__)
@@ -351,11 +368,11 @@ void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out
 #endif
   static_assert(kPanelsPerItem == 2);
 #if defined(JPAGED_MATMUL_AMX)
-  if constexpr (std::is_same<T, uint16_t>::value) {
+  if constexpr (std::is_same<T, uint16_t>::value && !kPaired) {
     if (OnTiles(K)) {
       if (rows == 0) return;  // nothing to configure the tiles for
-      if (count == 2) return TilePanels<2, kGated, kPaired>(x, rows, K, panel, out, N, width);
-      return TilePanels<1, false, kPaired>(x, rows, K, panel, out, N, width);
+      if (count == 2) return TilePanels<2, kGated>(x, rows, K, panel, out, N, width);
+      return TilePanels<1, false>(x, rows, K, panel, out, N, width);
     }
   }
 #endif
