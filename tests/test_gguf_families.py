@@ -41,14 +41,14 @@ TRANSFORMERS_DROPS = {
 
 @pytest.fixture
 def gguf_of(tiny_model_dir, default_gguf, tmp_path, monkeypatch):
-    """(family, vocabulary=the default model's first tokens, quantize=True) -> a GGUF converted from
-    tiny_model_dir(family)."""
+    """(family, vocabulary=the default model's first tokens, quantize=True, qtype="Q8_0") -> a GGUF converted
+    from tiny_model_dir(family)."""
     monkeypatch.setenv("JPAGED_CACHE_DIR", str(tmp_path / "cache"))
 
-    def make(family: str, vocabulary=None, quantize: bool = True) -> Path:
-        path = tmp_path / f"{family}.gguf"
+    def make(family: str, vocabulary=None, quantize: bool = True, qtype: str = "Q8_0") -> Path:
+        path = tmp_path / f"{family}-{qtype if quantize else 'F32'}.gguf"
         vocabulary = vocabulary or functools.partial(byte_level_vocabulary, default_gguf)
-        write_gguf(tiny_model_dir(family), path, GGUF_ARCHITECTURES[family], vocabulary, quantize)
+        write_gguf(tiny_model_dir(family), path, GGUF_ARCHITECTURES[family], vocabulary, quantize, qtype)
         return path
 
     return make
@@ -139,8 +139,10 @@ def test_a_phi3_gguf_with_longrope_generates_as_its_checkpoint_across_the_origin
     assert outputs["gguf"] == outputs["checkpoint"]
 
 
-def write_gguf(model_dir: Path, path: Path, arch: str, vocabulary, quantize: bool = True) -> None:
-    """A small llama.cpp converter: the model's safetensors under gguf's names for `arch` (matrices Q8_0 if
+def write_gguf(
+    model_dir: Path, path: Path, arch: str, vocabulary, quantize: bool = True, qtype: str = "Q8_0"
+) -> None:
+    """A small llama.cpp converter: the model's safetensors under gguf's names for `arch` (matrices as `qtype` if
     `quantize`, else F32), LongRoPE's factors as llama.cpp's Phi-3 converter writes them, and llama.cpp's metadata
     keys for it; `vocabulary(writer)` writes the tokenizer's."""
     import gguf
@@ -158,8 +160,8 @@ def write_gguf(model_dir: Path, path: Path, arch: str, vocabulary, quantize: boo
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1  # llama.cpp's Gemma converter
         if quantize and tensor.ndim == 2 and tensor.shape[-1] % 32 == 0:
-            quantized = gguf.quants.quantize(tensor, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            kind = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, tensor)
     scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
