@@ -35,7 +35,9 @@ def _grouped(
     K-quants' products are float32 whatever a tensor's values, so its form does not depend on them), else float32."""
     scale, bias = scale.astype(np.float32), bias.astype(np.float32)
     halves = [a.astype(np.float16) for a in (scale, bias)]
-    if halves_if_exact and all(np.array_equal(h.astype(np.float32), a) for h, a in zip(halves, (scale, bias), strict=True)):
+    if halves_if_exact and all(
+        np.array_equal(h.astype(np.float32), a) for h, a in zip(halves, (scale, bias), strict=True)
+    ):
         scale, bias = halves
     return GroupedMatrix(codes.T, scale.T, bias.T, bits, transposed=True)
 
