@@ -1,4 +1,5 @@
-// A model of the AMX tile instructions that jpaged/pallas/cpu/matmul.cc multiplies bfloat16 with, so that its tile
+// A model of the AMX tile instructions that jpaged/pallas/cpu/panels.h multiplies bfloat16 with (and int8_matmul.cc
+// int8), so that its tile
 // code (the panels' pairing, the tiles' shapes, the loops over k and row groups, the stores) runs and is checked on
 // CPUs without AMX: tests/test_cpu_matmul.py builds the kernel with -DJPAGED_AMX_MODEL and this folder on the
 // include path. Eight tile registers a thread; LDTILECFG's and the instructions' shape rules as Intel's manual
@@ -99,6 +100,28 @@ inline void Dot() {
         sum += word(A, m, 2 * k) * word(B, k, 2 * n);
         sum += word(A, m, 2 * k + 1) * word(B, k, 2 * n + 1);
       }
+      std::memcpy(registers.data[C][m] + 4 * n, &sum, sizeof sum);
+    }
+}
+
+// TDPBSSD's int32 sums of int8 products, four k a 32-bit element of A and of B, for int8_matmul.cc.
+template <int C, int A, int B>
+inline void DotInt8() {
+  static_assert(C != A && C != B && A != B, "TDPBSSD takes three different tiles");
+  dots.fetch_add(1, std::memory_order_relaxed);
+  Registers& registers = Tile(C);
+  Tile(A), Tile(B);
+  const Config& shape = registers.config;
+  if (shape.rows[C] != shape.rows[A]) Fault("sums and x differ in rows", C);
+  if (shape.colsb[A] != 4 * shape.rows[B]) Fault("x's groups of four a row differ from the panel tile's rows", A);
+  if (shape.colsb[C] != shape.colsb[B]) Fault("sums and panel tile differ in columns", C);
+  for (int m = 0; m < shape.rows[C]; ++m)
+    for (int n = 0; n < shape.colsb[C] / 4; ++n) {
+      int32_t sum;
+      std::memcpy(&sum, registers.data[C][m] + 4 * n, sizeof sum);
+      for (int k = 0; k < shape.colsb[A]; ++k)
+        sum += int32_t{static_cast<int8_t>(registers.data[A][m][k])} *
+               int32_t{static_cast<int8_t>(registers.data[B][k / 4][4 * n + k % 4])};
       std::memcpy(registers.data[C][m] + 4 * n, &sum, sizeof sum);
     }
 }

@@ -22,6 +22,7 @@ from jpaged.models.quantized import (
     quantize_rows,
     quantized_matmul,
 )
+from jpaged.runner.weight_layout import Int8PanelProducts
 
 SCHEMES = ("int8", "fp8")
 ARGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
@@ -65,6 +66,22 @@ def test_native_dots_give_the_logits_of_dequantise_then_dot(family, scheme, tiny
     assert isinstance(layers["attn"]["qkv"], QuantizedMatrix) and isinstance(
         layers["mlp"]["down"], QuantizedMatrix
     )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_bias", "gemma3"])
+def test_the_cpu_int8_kernel_gives_the_sums_of_xlas_int8_dots(family, tiny_model_dir):
+    """Exact int32 sums either way: the layers' outputs are the same bits, the logits differ only by the LM head's
+    float32 sums (the CPU panels' order against XLA's)."""
+    loaded = load_model(str(tiny_model_dir(family)), progress=False)
+    rng = np.random.default_rng(4)
+    prompts = [list(map(int, rng.integers(0, loaded.config.vocab_size, n))) for n in (7, 30)]
+    kernel = Int8PanelProducts.for_params(loaded.params, loaded.config.hidden_activation)
+    runs = [PagedRun(loaded, 2, products=p) for p in (kernel, QuantizedProducts(scheme="int8"))]
+    for starts, ends in (([0, 0], [5, 28]), ([5, 28], [7, 30])):
+        ours, xla = (run.step(prompts, starts, ends) for run in runs)
+        for got, expected in zip(ours, xla, strict=True):
+            assert relative_error(got, expected) < 1e-5
+    assert runs[0].params["layers"]["mlp"]["down"].values.ndim == 5  # [L, P, K / 4, 16, 4] panels
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

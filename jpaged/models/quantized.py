@@ -84,7 +84,13 @@ def quantized_matmul(
     else:
         accumulate = jnp.int32 if scheme == "int8" else jnp.float32
         sums = jax.lax.dot(xq, weight.values, preferred_element_type=accumulate)
-    return (sums.astype(jnp.float32) * x_scale * weight.scale).astype(x.dtype)
+    return rescaled(sums, x_scale, weight.scale, x.dtype)
+
+
+def rescaled(sums: jax.Array, x_scale: jax.Array, w_scale: jax.Array, dtype) -> jax.Array:
+    """A W8A8 product's sums [T, N] times the tokens' scales [T, 1] and the columns' [1, N], in `dtype` (how every
+    form scales them, so that equal sums give equal bits)."""
+    return (sums.astype(jnp.float32) * x_scale * w_scale).astype(dtype)
 
 
 @dataclass(frozen=True)

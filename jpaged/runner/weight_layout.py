@@ -10,6 +10,7 @@ layer matrices (a GGUF's blocks kept, models/grouped.py) become GroupedPanels fo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -22,8 +23,8 @@ from jpaged.config import QUANTIZATIONS
 from jpaged.models.grouped import GROUPED, GroupedMatrix, embedding_rows, is_grouped
 from jpaged.models.llama import params_dtype
 from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, WholeLeaf, act_and_mul
-from jpaged.models.quantized import QuantizedProducts
-from jpaged.pallas.cpu import grouped_matmul
+from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize, quantize_rows, rescaled
+from jpaged.pallas.cpu import grouped_matmul, int8_matmul
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul
 
@@ -88,12 +89,16 @@ class PanelProducts:
         for name, path in LAYER_MATRICES.items():
             *parents, leaf = path
             node = _at(laid_out["layers"], parents)
-            node[leaf] = _panels(node[leaf], gated=name == "gate_up" and self.gated_form)
+            node[leaf] = self.layer_panels(node[leaf], gated=name == "gate_up" and self.gated_form)
         if self.tied:
             laid_out["embed"]["weight"] = _panels(params["embed"]["weight"].T)
         else:
             laid_out["lm_head"] = _panels(params["lm_head"])
         return laid_out
+
+    def layer_panels(self, matrix, gated: bool):
+        """A layer matrix's stack as `layer` reads it."""
+        return _panels(matrix, gated)
 
     def embed(self, weight, token_ids: jax.Array) -> jax.Array:
         if isinstance(weight, GroupedPanels):
@@ -124,6 +129,27 @@ class PanelProducts:
         return cpu_matmul.matmul(h, weight, self.vocab_size, rows=rows, out_dtype=jnp.float32)
 
 
+@dataclass(frozen=True)
+class Int8PanelProducts(PanelProducts):
+    """`--quantization int8` on the CPU: each layer matrix quantized as QuantizedProducts quantizes it (int8, a
+    scale a column), its values as the int8 kernel's panels (pallas/cpu/int8_matmul.py), the activations quantised
+    per token: the sums are exact, so the products equal QuantizedProducts' XLA int8 dots to the bit. The
+    embedding and LM head as PanelProducts holds them; the MLP's activation after the product (no gated form)."""
+
+    @classmethod
+    def for_params(cls, params: dict, activation: str = "silu") -> Int8PanelProducts:
+        return dataclasses.replace(super().for_params(params, activation), gated_form=False)
+
+    def layer_panels(self, matrix, gated: bool) -> QuantizedMatrix:
+        quantized = quantize(matrix, "int8")
+        return QuantizedMatrix(int8_matmul.pack(quantized.values), quantized.scale)
+
+    def layer(self, name, weight, x, layer, rows) -> jax.Array:
+        xq, x_scale = quantize_rows(x, "int8")
+        sums = int8_matmul.matmul(xq, weight.values, dict(self.widths)[name], layer=layer, rows=rows)
+        return rescaled(sums, x_scale, weight.scale[layer], x.dtype)
+
+
 def _panels(matrix, gated: bool = False):
     """A matrix [K, N] as its kernel's panels: GroupedPanels of a GroupedMatrix, else the dense kernel's."""
     if is_grouped(matrix):
@@ -144,12 +170,14 @@ def choose_products(
     (ModelConfig.hidden_activation): `auto` takes the CPU kernel's panels where the backend is the CPU and the
     kernel builds and takes the dtype, else the stacks; `stacked` and `panels` force one (tests and benchmarks
     compare them). With `quantization` (EngineConfig's int8 or fp8), the layer matrices are held quantized
-    (models.quantized), multiplied by XLA's native int8/fp8 dots. Group-quantized matrices in the params go to
+    (models.quantized), multiplied by XLA's native int8/fp8 dots, or on the CPU (int8) by the int8 kernel. Group-quantized matrices in the params go to
     the grouped kernel with the panels, else are dequantised where used (GroupedProducts)."""
+    on_cpu = jax.default_backend() == "cpu"
     if quantization in QUANTIZATIONS:
+        if quantization == "int8" and layout == "auto" and on_cpu and cpu_matmul.supports(params_dtype(params)):
+            return Int8PanelProducts.for_params(params, activation)
         return QuantizedProducts(scheme=quantization)
     if layout == "auto":
-        on_cpu = jax.default_backend() == "cpu"
         layout = "panels" if on_cpu and cpu_matmul.supports(params_dtype(params)) else "stacked"
     if layout == "panels":
         return PanelProducts.for_params(params, activation)

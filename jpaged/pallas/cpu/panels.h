@@ -77,6 +77,13 @@ template <int C, int A, int B>
 inline void Dot() {
   asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
 }
+#if defined(__AMX_INT8__)
+// C += A . B in int32: A's rows x 16 groups of four int8 k, B 16 rows (groups of four k) x 16 columns of four.
+template <int C, int A, int B>
+inline void DotInt8() {
+  asm volatile("tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+}
+#endif
 }  // namespace jpaged::tiles
 #endif
 #endif
