@@ -174,7 +174,12 @@ def choose_products(
     the grouped kernel with the panels, else are dequantised where used (GroupedProducts)."""
     on_cpu = jax.default_backend() == "cpu"
     if quantization in QUANTIZATIONS:
-        if quantization == "int8" and layout == "auto" and on_cpu and cpu_matmul.supports(params_dtype(params)):
+        if (
+            quantization == "int8"
+            and layout == "auto"
+            and on_cpu
+            and cpu_matmul.supports(params_dtype(params))
+        ):
             return Int8PanelProducts.for_params(params, activation)
         return QuantizedProducts(scheme=quantization)
     if layout == "auto":
