@@ -10,7 +10,6 @@ layer matrices (a GGUF's blocks kept, models/grouped.py) become GroupedPanels fo
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from jpaged.config import QUANTIZATIONS
 from jpaged.models.grouped import GROUPED, GroupedMatrix, embedding_rows, is_grouped
 from jpaged.models.llama import params_dtype
 from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, WholeLeaf, act_and_mul
-from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize, quantize_rows, rescaled
+from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize
 from jpaged.pallas.cpu import grouped_matmul, int8_matmul
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul
@@ -132,22 +131,23 @@ class PanelProducts:
 @dataclass(frozen=True)
 class Int8PanelProducts(PanelProducts):
     """`--quantization int8` on the CPU: each layer matrix quantized as QuantizedProducts quantizes it (int8, a
-    scale a column), its values as the int8 kernel's panels (pallas/cpu/int8_matmul.py), the activations quantised
-    per token: the sums are exact, so the products equal QuantizedProducts' XLA int8 dots to the bit. The
-    embedding and LM head as PanelProducts holds them; the MLP's activation after the product (no gated form)."""
-
-    @classmethod
-    def for_params(cls, params: dict, activation: str = "silu") -> Int8PanelProducts:
-        return dataclasses.replace(super().for_params(params, activation), gated_form=False)
+    scale a column), as the int8 kernel's panels (pallas/cpu/int8_matmul.py), which quantises the activations per
+    token, sums exactly and scales back: the products equal QuantizedProducts' XLA int8 dots to the bit. The
+    embedding and LM head as PanelProducts holds them; the gated form where PanelProducts takes it."""
 
     def layer_panels(self, matrix, gated: bool) -> QuantizedMatrix:
         quantized = quantize(matrix, "int8")
-        return QuantizedMatrix(int8_matmul.pack(quantized.values), quantized.scale)
+        return QuantizedMatrix(*int8_matmul.pack(quantized.values, quantized.scale, gated=gated))
 
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
-        xq, x_scale = quantize_rows(x, "int8")
-        sums = int8_matmul.matmul(xq, weight.values, dict(self.widths)[name], layer=layer, rows=rows)
-        return rescaled(sums, x_scale, weight.scale[layer], x.dtype)
+        panels = (weight.values, weight.scale)
+        return int8_matmul.matmul(x, panels, dict(self.widths)[name], layer=layer, rows=rows)
+
+    def gated(self, weight, x, layer, rows, sizes, activation) -> jax.Array:
+        if self.gated_form:
+            panels = (weight.values, weight.scale)
+            return int8_matmul.gated_matmul(x, panels, sizes[0], layer=layer, rows=rows)
+        return super().gated(weight, x, layer, rows, sizes, activation)
 
 
 def _panels(matrix, gated: bool = False):

@@ -1,11 +1,16 @@
-// int8 products on the CPU (W8A8: the layer's int8 matrix times its activations quantised to int8 per token), as an
-// XLA FFI custom call (see int8_matmul.py): out[m, n] = sum_k x[m, k] * w[k, n] in int32 for the first `rows` rows
-// of x, with w as panels of 16 columns, each four consecutive k of a column side by side ([L, P, K / 4, 16, 4], the
-// layout of the AMX tiles' B operand and of vpdpbusd), one layer of a stack picked by index; K a multiple of 64.
+// int8 products on the CPU (W8A8: a layer's int8 matrix times its activations quantised to int8 per token), as an
+// XLA FFI custom call (see int8_matmul.py). For the first `rows` rows of x (float32 or bfloat16): each row quantised
+// as models/quantized.py's quantize_rows does it (its largest magnitude onto 127, rounded half to even), the int32
+// sums with w, and out[m, n] = sum[m, n] * x_scale[m] * w_scale[n] in x's type (or float32); the gated form
+// computes an MLP's activation from a gate and an up panel, as panels.h's does. w is int8 panels of 16 columns,
+// each four consecutive k of a column side by side ([L, P, K / 4, 16, 4], the layout of the AMX tiles' B operand),
+// its scales as panels [L, P, 1, 16], one layer of a stack picked by index; K a multiple of 64 (the wrapper pads).
 //
 // The sums are exact, so any order gives the same bits: XLA's int8 dot (models/quantized.py) and this kernel agree
-// to the bit, whatever the rows. With AMX-INT8, items of two panels go through the tiles (tdpbssd, 64 k a step,
-// the panels read straight from the stack); elsewhere a loop the compiler vectorises.
+// whatever the rows. With AMX-INT8, items of two panels go through the tiles (tdpbssd, 64 k a step, the panels read
+// straight from the stack); elsewhere a loop the compiler vectorises.
+#include <vector>
+
 #include "panels.h"
 
 #if defined(JPAGED_MATMUL_AMX) && (defined(JPAGED_AMX_MODEL) || defined(__AMX_INT8__))
@@ -18,7 +23,7 @@ constexpr int kGroup = 4;         // k side by side in a panel's column
 constexpr int kInt8TileK = 64;    // k a tile step
 constexpr int kRowBytes = kPanel * kGroup;  // a panel's bytes for four k
 
-// Rows [0, rows) of x against a panel, `width` of its columns stored.
+// Rows [0, rows) of x against a panel, `width` of its columns stored (rows N apart).
 void PanelRows(const int8_t* x, int rows, int K, const int8_t* panel, int32_t* out, int N, int width) {
   for (int m = 0; m < rows; ++m) {
     int32_t acc[kPanel] = {};
@@ -85,53 +90,128 @@ void TilePanelsInt8(const int8_t* x, int rows, int K, const int8_t* panel, int32
 }
 #endif
 
-void Run(ffi::ThreadPool& pool, const int8_t* x, const int8_t* panels, int32_t* out, int M, int rows, int K, int N) {
-  std::memset(out + static_cast<int64_t>(rows) * N, 0, sizeof(int32_t) * static_cast<int64_t>(M - rows) * N);
-  const int num_panels = (N + kPanel - 1) / kPanel;
+// x's rows quantised as XLA computes quantize_rows: the largest magnitude onto 127 (a scale of 1 for a row of
+// zeros), each value times the scale's reciprocal, rounded half to even and clipped; zero-padded to Kp. XLA's
+// simplifier turns both divisions into multiplications by reciprocals (the constant's folded: largest * (1 / 127);
+// the row's taken once), and the kernel does as it does, so that the codes are the same.
+template <typename X>
+__attribute__((optimize("no-reciprocal-math"))) void QuantizeRows(const X* x, int rows, int K, int Kp, int8_t* xq,
+                                                                  float* scale) {
+  for (int m = 0; m < rows; ++m) {
+    const X* row = x + static_cast<int64_t>(m) * K;
+    float largest = 0.0f;
+    for (int k = 0; k < K; ++k) largest = std::max(largest, std::fabs(ToFloat(row[k])));
+    const float s = largest > 0.0f ? largest * (1.0f / 127.0f) : 1.0f;  // as XLA simplifies largest / 127
+    int8_t* q = xq + static_cast<int64_t>(m) * Kp;
+    const float inverse = 1.0f / s;
+    for (int k = 0; k < K; ++k)
+      q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(ToFloat(row[k]) * inverse), -127.0f, 127.0f));
+    std::memset(q + K, 0, Kp - K);
+    scale[m] = s;
+  }
+}
+
+// An item's int32 sums (`rows` x 32, one row of `count` panels each) scaled back and stored: float(sum) * x_scale *
+// w_scale as Out (quantized.py's `rescaled`, multiplied in that order: not reassociated, which would move the
+// float32 result by an ulp), or in the gated form GatedSums of the gate's and the up's.
+template <bool kGated, typename Out>
+__attribute__((optimize("no-associative-math"))) void StoreRescaled(const int32_t* sums, int rows, const float* x_scale, const float* w_scale, int count, Out* out,
+                   int N, int width) {
+  constexpr int kItem = kPanelsPerItem * kPanel;
+  for (int m = 0; m < rows; ++m) {
+    alignas(32) float row[kItem];
+    for (int c = 0; c < count * kPanel; ++c)
+      row[c] = static_cast<float>(sums[m * kItem + c]) * x_scale[m] * w_scale[c];
+    Out* out_row = out + static_cast<int64_t>(m) * N;
+    if constexpr (kGated) {
+      for (int half = 0; half < kPanel; half += 8) {
+        const V8 act = GatedSums<Out>(Load(row + half), Load(row + kPanel + half));
+        for (int i = 0; i < 8; ++i) FromFloat(act[i], out_row + half + i);
+      }
+    } else {
+      for (int c = 0; c < (count - 1) * kPanel + width; ++c) FromFloat(row[c], out_row + c);
+    }
+  }
+}
+
+template <bool kGated, typename X, typename Out>
+void Run(ffi::ThreadPool& pool, const X* x, const int8_t* panels, const float* w_scale, Out* out, int M, int rows,
+         int K, int Kp, int N) {
+  std::memset(out + static_cast<int64_t>(rows) * N, 0, sizeof(Out) * static_cast<int64_t>(M - rows) * N);
+  std::vector<int8_t> xq(static_cast<size_t>(rows) * Kp);
+  std::vector<float> x_scale(rows);
+  QuantizeRows(x, rows, K, Kp, xq.data(), x_scale.data());
+  const int num_panels = kGated ? 2 * N / kPanel : (N + kPanel - 1) / kPanel;
   const int num_items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
-  const int64_t panel_bytes = static_cast<int64_t>(K / kGroup) * kRowBytes;
+  const int64_t panel_bytes = static_cast<int64_t>(Kp / kGroup) * kRowBytes;
   ParallelFor(pool, num_items, [&](int item) {
+    if (rows == 0) return true;
     const int first = item * kPanelsPerItem, count = std::min(num_panels, first + kPanelsPerItem) - first;
-    const int width = std::min(kPanel, N - (first + count - 1) * kPanel);
+    const int width = kGated ? kPanel : std::min(kPanel, N - (first + count - 1) * kPanel);
     const int8_t* panel = panels + first * panel_bytes;
-    int32_t* at = out + first * kPanel;
+    thread_local std::vector<int32_t> sums;
+    sums.resize(static_cast<size_t>(rows) * kPanelsPerItem * kPanel);
+    constexpr int kItem = kPanelsPerItem * kPanel;
+    bool tiled = false;
 #if defined(JPAGED_INT8_AMX)
     if (tiles::Permitted()) {
-      if (rows == 0) return true;
-      if (count == 2) TilePanelsInt8<2>(x, rows, K, panel, at, N, width);
-      else TilePanelsInt8<1>(x, rows, K, panel, at, N, width);
-      return true;
+      if (count == 2) TilePanelsInt8<2>(xq.data(), rows, Kp, panel, sums.data(), kItem, kPanel);
+      else TilePanelsInt8<1>(xq.data(), rows, Kp, panel, sums.data(), kItem, kPanel);
+      tiled = true;
     }
 #endif
-    for (int p = 0; p < count; ++p)
-      PanelRows(x, rows, K, panel + p * panel_bytes, at + p * kPanel, N, p + 1 < count ? kPanel : width);
+    if (!tiled)
+      for (int p = 0; p < count; ++p)
+        PanelRows(xq.data(), rows, Kp, panel + p * panel_bytes, sums.data() + p * kPanel, kItem, kPanel);
+    Out* at = out + (kGated ? item : first) * kPanel;
+    StoreRescaled<kGated>(sums.data(), rows, x_scale.data(), w_scale + first * kPanel, count, at, N, width);
     return true;
   });
 }
 
-ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> panels,
-                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::Buffer<ffi::S32>> out) {
-  auto xd = x.dimensions(), pd = panels.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || pd.size() != 5 || od.size() != 2 || pd[3] != kPanel || pd[4] != kGroup)
-    return ffi::Error::InvalidArgument("expected x [M, K], panels [L, P, K / 4, 16, 4], out [M, N]");
+template <bool kGated>
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> panels,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  auto xd = x.dimensions(), pd = panels.dimensions(), sd = scale.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || pd.size() != 5 || sd.size() != 4 || od.size() != 2 || pd[3] != kPanel || pd[4] != kGroup)
+    return ffi::Error::InvalidArgument("expected x [M, K], panels [L, P, K' / 4, 16, 4], scale [L, P, 1, 16]");
   const int M = static_cast<int>(xd[0]), K = static_cast<int>(xd[1]), N = static_cast<int>(od[1]);
-  if (od[0] != M || K % kInt8TileK != 0 || pd[2] * kGroup != K || pd[1] != (N + kPanel - 1) / kPanel)
-    return ffi::Error::InvalidArgument("x, panels and out do not agree on M, K (a multiple of 64) and N");
+  const int Kp = static_cast<int>(pd[2]) * kGroup, num_panels = kGated ? 2 * N / kPanel : (N + kPanel - 1) / kPanel;
+  if (od[0] != M || Kp % kInt8TileK != 0 || K > Kp || Kp - K >= kInt8TileK || pd[1] != num_panels ||
+      sd[0] != pd[0] || sd[1] != pd[1] || sd[2] != 1 || sd[3] != kPanel || (kGated && N % kPanel != 0))
+    return ffi::Error::InvalidArgument("x, panels, scale and out do not agree on M, K and N");
   const int layer_index = layer.typed_data()[0];
   if (layer_index < 0 || layer_index >= pd[0]) return ffi::Error::InvalidArgument("layer out of range");
   const int live = std::clamp(rows.typed_data()[0], 0, M);
-  const int64_t offset = layer_index * pd[1] * pd[2] * kRowBytes;
-  Run(pool, x.typed_data(), panels.typed_data() + offset, out->typed_data(), M, live, K, N);
-  return ffi::Error::Success();
+  const int8_t* layer_panels = panels.typed_data() + layer_index * pd[1] * pd[2] * kRowBytes;
+  const float* layer_scale = scale.typed_data() + layer_index * pd[1] * kPanel;
+  const auto dtype = x.element_type(), out_dtype = out->element_type();
+  if (out_dtype != dtype && out_dtype != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("the output must be x's dtype or float32");
+  auto run = [&](auto* xp, auto* op) {
+    Run<kGated>(pool, xp, layer_panels, layer_scale, op, M, live, K, Kp, N);
+    return ffi::Error::Success();
+  };
+  float* out_f32 = static_cast<float*>(out->untyped_data());
+  if (dtype == ffi::DataType::F32) return run(static_cast<const float*>(x.untyped_data()), out_f32);
+  if (dtype != ffi::DataType::BF16) return ffi::Error::InvalidArgument("x must be float32 or bfloat16");
+  auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+  if (out_dtype == ffi::DataType::F32) return run(xp, out_f32);
+  return run(xp, static_cast<uint16_t*>(out->untyped_data()));
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedInt8Matmul, Int8Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // x
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // out
+static auto Int8Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()         // x
+      .Arg<ffi::Buffer<ffi::S8>>()   // panels
+      .Arg<ffi::Buffer<ffi::F32>>()  // scale
+      .Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .Arg<ffi::Buffer<ffi::S32>>()  // rows
+      .Ret<ffi::AnyBuffer>();        // out
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedInt8Matmul, Int8Matmul<false>, Int8Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedInt8MatmulGated, Int8Matmul<true>, Int8Binding());

@@ -38,6 +38,7 @@ TARGETS = {
     "jpaged_grouped_matmul": "JpagedGroupedMatmul",
     "jpaged_grouped_matmul_gated": "JpagedGroupedMatmulGated",
     "jpaged_int8_matmul": "JpagedInt8Matmul",
+    "jpaged_int8_matmul_gated": "JpagedInt8MatmulGated",
 }
 # What the kernels compute on (kernel.h converts bfloat16 to and from float32; float16 is not handled).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
