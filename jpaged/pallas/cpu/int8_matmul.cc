@@ -38,55 +38,24 @@ void PanelRows(const int8_t* x, int rows, int K, const int8_t* panel, int32_t* o
 }
 
 #if defined(JPAGED_INT8_AMX)
-// An item's NP panels on the tiles, as panels.h's TileRows does for bfloat16: rows in groups of up to two tiles of 16,
-// tiles 0-3 the sums (C[g][p] = 2g + p), 4-5 x (A[g]), 6-7 the panels (B[p]).
+// An item's NP panels on the tiles (panels.h's TileGroups, tdpbssd, 64 k a step), the panels read where they are;
+// `width` columns of the last stored (rows N apart).
 template <int NP>
 void TilePanelsInt8(const int8_t* x, int rows, int K, const int8_t* panel, int32_t* out, int N, int width) {
   const int64_t panel_bytes = static_cast<int64_t>(K / kGroup) * kRowBytes;
-  alignas(64) int32_t sums[2][NP][kTileRows][kPanel];
-  tiles::Config config;
-  for (int m = 0; m < rows; m += 2 * kTileRows) {
-    const int group[2] = {std::min(kTileRows, rows - m), std::clamp(rows - m - kTileRows, 0, kTileRows)};
-    if (m == 0 || group[0] != config.rows[4] || group[1] != config.rows[5]) {
-      for (int g = 0; g < 2; ++g) {
-        for (int p = 0; p < NP; ++p) config.rows[2 * g + p] = group[g], config.colsb[2 * g + p] = group[g] ? 64 : 0;
-        config.rows[4 + g] = group[g], config.colsb[4 + g] = group[g] ? 64 : 0;
-      }
-      for (int p = 0; p < NP; ++p) config.rows[6 + p] = kInt8TileK / kGroup, config.colsb[6 + p] = 64;
-      tiles::Configure(config);
-    }
-    const bool two = group[1] > 0;
-    tiles::Zero<0>();
-    if (NP == 2) tiles::Zero<1>();
-    if (two) {
-      tiles::Zero<2>();
-      if (NP == 2) tiles::Zero<3>();
-    }
-    for (int k = 0; k < K; k += kInt8TileK) {
-      tiles::Load<4>(x + static_cast<int64_t>(m) * K + k, K);
-      if (two) tiles::Load<5>(x + static_cast<int64_t>(m + kTileRows) * K + k, K);
-      tiles::Load<6>(panel + (k / kGroup) * kRowBytes, kRowBytes);
-      if (NP == 2) tiles::Load<7>(panel + panel_bytes + (k / kGroup) * kRowBytes, kRowBytes);
-      tiles::DotInt8<0, 4, 6>();
-      if (NP == 2) tiles::DotInt8<1, 4, 7>();
-      if (two) {
-        tiles::DotInt8<2, 5, 6>();
-        if (NP == 2) tiles::DotInt8<3, 5, 7>();
-      }
-    }
-    tiles::Store<0>(sums[0][0], sizeof sums[0][0][0]);
-    if (NP == 2) tiles::Store<1>(sums[0][NP - 1], sizeof sums[0][0][0]);
-    if (two) {
-      tiles::Store<2>(sums[1][0], sizeof sums[0][0][0]);
-      if (NP == 2) tiles::Store<3>(sums[1][NP - 1], sizeof sums[0][0][0]);
-    }
+  auto a_tile = [x, K](int m, int k) { return x + static_cast<int64_t>(m) * K + k; };
+  auto b_tile = [=](int p, int k) { return panel + p * panel_bytes + (k / kGroup) * kRowBytes; };
+  auto dot = [](auto c, auto a, auto b) {
+    tiles::DotInt8<decltype(c)::value, decltype(a)::value, decltype(b)::value>();
+  };
+  auto finish = [&](int m, const int (&group)[2], const int32_t (&sums)[2][NP][kTileRows][kPanel]) {
     for (int g = 0; g < 2; ++g)
       for (int r = 0; r < group[g]; ++r)
         for (int p = 0; p < NP; ++p)
           std::memcpy(out + static_cast<int64_t>(m + g * kTileRows + r) * N + p * kPanel, sums[g][p][r],
                       sizeof(int32_t) * (p + 1 < NP ? kPanel : width));
-  }
-  tiles::Release();
+  };
+  TileGroups<NP, int32_t>(rows, K, kInt8TileK, a_tile, K, b_tile, dot, finish);
 }
 #endif
 

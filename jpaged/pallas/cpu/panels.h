@@ -294,15 +294,24 @@ inline const uint16_t* PairedPanels(const uint16_t* panel, int K, int count) {
   return paired.data();
 }
 
-// The item's product on the tiles, NP panels (one or two): rows in groups of up to two tiles of 16; tiles 0-3 hold
-// a group's sums (C[g][p] = 2g + p), 4-5 its x (A[g]), 6-7 the panels' pairs (B[p]); every x tile meets every panel
-// tile. Groups of fewer rows configure tiles of fewer rows, so no row past `rows` is read.
-// `paired_tile(p, k)` gives panel p's rows [k, k + 32) as the B operand takes them (16 pairs of rows, 64 bytes each,
-// contiguous): from PairedPanels' buffer (TilePanels), or dequantised as they are asked for (grouped_matmul.cc).
-template <int NP, bool kGated, typename Out, typename PairedTile>
-void TileRows(const uint16_t* x, int rows, int K, PairedTile paired_tile, Out* out, int N, int width) {
-  const int64_t x_stride = static_cast<int64_t>(K) * sizeof(uint16_t), pair_stride = 2 * kPanel * sizeof(uint16_t);
-  alignas(64) float sums[2][NP][kTileRows][kPanel];
+// The tile loop of an item's NP panels (one or two), for every element type: rows in groups of up to two tiles of 16;
+// tiles 0-3 hold a group's sums (C[g][p] = 2g + p), 4-5 its x (A[g]), 6-7 the panels' (B[p]); every x tile meets
+// every panel tile. Groups of fewer rows configure tiles of fewer rows, so no row past `rows` is read. Each step
+// covers `k_step` of K: `a_tile(m, k)` gives x's rows from m (`a_stride` bytes apart), `b_tile(p, k)` panel p's 16
+// rows of 64 bytes (contiguous), `dot(C, A, B)` multiplies (integral constants). `finish(m, group, sums)` takes a
+// group's sums, [2][NP][16][16] of 4 bytes.
+template <int NP, typename Sum, typename ATile, typename BTile, typename DotOp, typename Finish>
+void TileGroups(int rows, int K, int k_step, ATile a_tile, int64_t a_stride, BTile b_tile, DotOp dot, Finish finish) {
+  using C0 = std::integral_constant<int, 0>;
+  using C1 = std::integral_constant<int, 1>;
+  using C2 = std::integral_constant<int, 2>;
+  using C3 = std::integral_constant<int, 3>;
+  using A0 = std::integral_constant<int, 4>;
+  using A1 = std::integral_constant<int, 5>;
+  using B0 = std::integral_constant<int, 6>;
+  using B1 = std::integral_constant<int, 7>;
+  constexpr int64_t kB = 64;  // bytes a B row
+  alignas(64) Sum sums[2][NP][kTileRows][kPanel];
   tiles::Config config;
   for (int m = 0; m < rows; m += 2 * kTileRows) {
     const int group[2] = {std::min(kTileRows, rows - m), std::clamp(rows - m - kTileRows, 0, kTileRows)};
@@ -311,7 +320,7 @@ void TileRows(const uint16_t* x, int rows, int K, PairedTile paired_tile, Out* o
         for (int p = 0; p < NP; ++p) config.rows[2 * g + p] = group[g], config.colsb[2 * g + p] = group[g] ? 64 : 0;
         config.rows[4 + g] = group[g], config.colsb[4 + g] = group[g] ? 64 : 0;
       }
-      for (int p = 0; p < NP; ++p) config.rows[6 + p] = kTileK / 2, config.colsb[6 + p] = 64;
+      for (int p = 0; p < NP; ++p) config.rows[6 + p] = 16, config.colsb[6 + p] = kB;
       tiles::Configure(config);
     }
     const bool two = group[1] > 0;
@@ -321,16 +330,16 @@ void TileRows(const uint16_t* x, int rows, int K, PairedTile paired_tile, Out* o
       tiles::Zero<2>();
       if (NP == 2) tiles::Zero<3>();
     }
-    for (int k = 0; k < K; k += kTileK) {
-      tiles::Load<4>(x + static_cast<int64_t>(m) * K + k, x_stride);
-      if (two) tiles::Load<5>(x + static_cast<int64_t>(m + kTileRows) * K + k, x_stride);
-      tiles::Load<6>(paired_tile(0, k), pair_stride);
-      if (NP == 2) tiles::Load<7>(paired_tile(1, k), pair_stride);
-      tiles::Dot<0, 4, 6>();
-      if (NP == 2) tiles::Dot<1, 4, 7>();
+    for (int k = 0; k < K; k += k_step) {
+      tiles::Load<4>(a_tile(m, k), a_stride);
+      if (two) tiles::Load<5>(a_tile(m + kTileRows, k), a_stride);
+      tiles::Load<6>(b_tile(0, k), kB);
+      if (NP == 2) tiles::Load<7>(b_tile(1, k), kB);
+      dot(C0{}, A0{}, B0{});
+      if (NP == 2) dot(C1{}, A0{}, B1{});
       if (two) {
-        tiles::Dot<2, 5, 6>();
-        if (NP == 2) tiles::Dot<3, 5, 7>();
+        dot(C2{}, A1{}, B0{});
+        if (NP == 2) dot(C3{}, A1{}, B1{});
       }
     }
     tiles::Store<0>(sums[0][0], sizeof sums[0][0][0]);
@@ -339,6 +348,19 @@ void TileRows(const uint16_t* x, int rows, int K, PairedTile paired_tile, Out* o
       tiles::Store<2>(sums[1][0], sizeof sums[0][0][0]);
       if (NP == 2) tiles::Store<3>(sums[1][NP - 1], sizeof sums[0][0][0]);
     }
+    finish(m, group, sums);
+  }
+  tiles::Release();
+}
+
+// An item's bfloat16 product on the tiles (TileGroups, tdpbf16ps, 32 k a step): `paired_tile(p, k)` gives panel
+// p's rows [k, k + 32) as the B operand takes them (16 pairs of rows): from PairedPanels' buffer (TilePanels), or
+// dequantised as they are asked for (grouped_matmul.cc).
+template <int NP, bool kGated, typename Out, typename PairedTile>
+void TileRows(const uint16_t* x, int rows, int K, PairedTile paired_tile, Out* out, int N, int width) {
+  auto a_tile = [x, K](int m, int k) { return x + static_cast<int64_t>(m) * K + k; };
+  auto dot = [](auto c, auto a, auto b) { tiles::Dot<decltype(c)::value, decltype(a)::value, decltype(b)::value>(); };
+  auto finish = [&](int m, const int (&group)[2], const float (&sums)[2][NP][kTileRows][kPanel]) {
     for (int g = 0; g < 2; ++g)
       for (int r = 0; r < group[g]; ++r) {
         Out* row = out + static_cast<int64_t>(m + g * kTileRows + r) * N;
@@ -349,8 +371,8 @@ void TileRows(const uint16_t* x, int rows, int K, PairedTile paired_tile, Out* o
         for (int p = 0; p < NP; ++p)
           StoreSums(_mm512_load_ps(sums[g][p][r]), row + p * kPanel, ColumnMask(p, NP, width));
       }
-  }
-  tiles::Release();
+  };
+  TileGroups<NP, float>(rows, K, kTileK, a_tile, static_cast<int64_t>(K) * sizeof(uint16_t), paired_tile, dot, finish);
 }
 
 // The item's panels as they are stored (unpaired), on the tiles.
