@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.pallas.cpu import library
-from jpaged.pallas.cpu.matmul import PANEL, pack_gated
+from jpaged.pallas.cpu.matmul import PANEL, ffi_product, pack_gated
 from jpaged.pallas.cpu.matmul import pack as pack_panels
 from jpaged.rounding import cdiv
 
@@ -64,10 +64,7 @@ def matmul(
     """x [M, K] @ w [K, n] from w's `pack`ed panels (of one matrix, or a stack of them with `layer` picking one),
     summed in float32 and returned as `out_dtype` (x's, or float32); rows past `rows` come back zero."""
     panels = _checked(x, panels, cdiv(n, PANEL))
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
-        raise ValueError(f"out_dtype must be x's dtype or float32, got {out_dtype}")
-    return _call(_TARGET, x, panels, n, layer, rows, out_dtype)
+    return ffi_product(_TARGET, x, panels, n, layer=layer, rows=rows, out_dtype=out_dtype)
 
 
 def gated_matmul(
@@ -82,7 +79,7 @@ def gated_matmul(
     kernel's gated form computes it."""
     if n % PANEL:
         raise ValueError(f"the gated form needs n a multiple of {PANEL}, got {n}")
-    return _call(_GATED_TARGET, x, _checked(x, panels, 2 * n // PANEL), n, layer, rows, x.dtype)
+    return ffi_product(_GATED_TARGET, x, _checked(x, panels, 2 * n // PANEL), n, layer=layer, rows=rows)
 
 
 def _checked(x: jax.Array, panels, num_panels: int) -> tuple[jax.Array, ...]:
@@ -98,10 +95,3 @@ def _checked(x: jax.Array, panels, num_panels: int) -> tuple[jax.Array, ...]:
     if jnp.dtype(x.dtype) not in library.SUPPORTED_DTYPES:
         raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
     return panels
-
-
-def _call(target: str, x, panels, n: int, layer, rows, out_dtype) -> jax.Array:
-    rows = x.shape[0] if rows is None else rows
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return call(x, *panels, layer, jnp.asarray(rows, jnp.int32).reshape(1))

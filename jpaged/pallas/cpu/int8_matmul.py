@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.pallas.cpu import library
-from jpaged.pallas.cpu.matmul import PANEL, pack_gated
+from jpaged.pallas.cpu.matmul import PANEL, ffi_product, pack_gated
 from jpaged.pallas.cpu.matmul import pack as pack_panels
 from jpaged.rounding import cdiv
 
@@ -58,10 +58,9 @@ def matmul(
 ) -> jax.Array:
     """x [M, K] (float32 or bfloat16) @ w [K, n], W8A8, from w's `pack`ed panels and scales (of one matrix, or a
     stack of them with `layer` picking one), in `out_dtype` (x's, or float32); rows past `rows` come back zero."""
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
-        raise ValueError(f"out_dtype must be x's dtype or float32, got {out_dtype}")
-    return _call(_TARGET, x, _checked(x, panels, cdiv(n, PANEL)), n, layer, rows, out_dtype)
+    return ffi_product(
+        _TARGET, x, _checked(x, panels, cdiv(n, PANEL)), n, layer=layer, rows=rows, out_dtype=out_dtype
+    )
 
 
 def gated_matmul(
@@ -76,7 +75,7 @@ def gated_matmul(
     output rounded to x's dtype as the unfused product's is."""
     if n % PANEL:
         raise ValueError(f"the gated form needs n a multiple of {PANEL}, got {n}")
-    return _call(_GATED_TARGET, x, _checked(x, panels, 2 * n // PANEL), n, layer, rows, x.dtype)
+    return ffi_product(_GATED_TARGET, x, _checked(x, panels, 2 * n // PANEL), n, layer=layer, rows=rows)
 
 
 def _checked(x: jax.Array, panels, num_panels: int) -> tuple[jax.Array, jax.Array]:
@@ -94,9 +93,3 @@ def _checked(x: jax.Array, panels, num_panels: int) -> tuple[jax.Array, jax.Arra
     if scale.shape != (*values.shape[:2], 1, PANEL) or scale.dtype != jnp.float32:
         raise ValueError(f"scale {scale.shape} {scale.dtype} does not go with panels {values.shape}")
     return values, scale
-
-
-def _call(target: str, x, panels, n: int, layer, rows, out_dtype) -> jax.Array:
-    rows = x.shape[0] if rows is None else rows
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
-    return call(x, *panels, jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(rows, jnp.int32).reshape(1))

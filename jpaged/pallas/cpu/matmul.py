@@ -76,10 +76,7 @@ def matmul(
     """x [M, K] @ w [K, n] from w's panels ([P, K, 16], or [L, P, K, 16] with `layer` picking one), summed in
     float32 and returned as `out_dtype` (x's, or float32); rows past `rows` (default M) come back zero."""
     panels = _checked(x, panels, n, cdiv(n, PANEL), "product")
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
-        raise ValueError(f"out_dtype must be x's dtype or float32, got {out_dtype}")
-    return _call(_TARGET, x, panels, n, layer, rows, out_dtype)
+    return ffi_product(_TARGET, x, (panels,), n, layer=layer, rows=rows, out_dtype=out_dtype)
 
 
 def gated_matmul(
@@ -96,7 +93,7 @@ def gated_matmul(
     if n % PANEL:
         raise ValueError(f"the gated form needs n a multiple of {PANEL}, got {n}")
     panels = _checked(x, panels, n, 2 * n // PANEL, "activation")
-    return _call(_GATED_TARGET, x, panels, n, layer, rows, x.dtype)
+    return ffi_product(_GATED_TARGET, x, (panels,), n, layer=layer, rows=rows)
 
 
 def _checked(x: jax.Array, panels: jax.Array, n: int, num_panels: int, what: str) -> jax.Array:
@@ -111,7 +108,16 @@ def _checked(x: jax.Array, panels: jax.Array, n: int, num_panels: int, what: str
     return panels
 
 
-def _call(target: str, x, panels, n: int, layer, rows, out_dtype) -> jax.Array:
+def ffi_product(
+    target: str, x: jax.Array, operands: tuple, n: int, *, layer, rows, out_dtype=None
+) -> jax.Array:
+    """The CPU products' custom call `target`, (x, *operands, layer, rows) -> [M, n] as `out_dtype` (x's, or
+    float32); rows past `rows` (default M) come back zero."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be x's dtype or float32, got {out_dtype}")
     rows = x.shape[0] if rows is None else rows
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
-    return call(x, panels, jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(rows, jnp.int32).reshape(1))
+    return call(
+        x, *operands, jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(rows, jnp.int32).reshape(1)
+    )
