@@ -66,6 +66,7 @@ def run(model: str | None, tp: int) -> dict:
         llm = LLM(
             model,
             tensor_parallel_size=tp,
+            quantization="none",  # a GGUF's blocks are kept on one device only: compare the dequantised forms
             max_model_len=128,
             max_num_seqs=4,
             max_num_batched_tokens=32,
