@@ -59,25 +59,23 @@ void TilePanelsInt8(const int8_t* x, int rows, int K, const int8_t* panel, int32
 }
 #endif
 
-// x's rows quantised as XLA computes quantize_rows: the largest magnitude onto 127 (a scale of 1 for a row of
+// Row m of x quantised as XLA computes quantize_rows: the largest magnitude onto 127 (a scale of 1 for a row of
 // zeros), each value times the scale's reciprocal, rounded half to even and clipped; zero-padded to Kp. XLA's
 // simplifier turns both divisions into multiplications by reciprocals (the constant's folded: largest * (1 / 127);
 // the row's taken once), and the kernel does as it does, so that the codes are the same.
 template <typename X>
-__attribute__((optimize("no-reciprocal-math"))) void QuantizeRows(const X* x, int rows, int K, int Kp, int8_t* xq,
-                                                                  float* scale) {
-  for (int m = 0; m < rows; ++m) {
-    const X* row = x + static_cast<int64_t>(m) * K;
-    float largest = 0.0f;
-    for (int k = 0; k < K; ++k) largest = std::max(largest, std::fabs(ToFloat(row[k])));
-    const float s = largest > 0.0f ? largest * (1.0f / 127.0f) : 1.0f;  // as XLA simplifies largest / 127
-    int8_t* q = xq + static_cast<int64_t>(m) * Kp;
-    const float inverse = 1.0f / s;
-    for (int k = 0; k < K; ++k)
-      q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(ToFloat(row[k]) * inverse), -127.0f, 127.0f));
-    std::memset(q + K, 0, Kp - K);
-    scale[m] = s;
-  }
+__attribute__((optimize("no-reciprocal-math"))) void QuantizeRow(const X* x, int m, int K, int Kp, int8_t* xq,
+                                                                 float* scale) {
+  const X* row = x + static_cast<int64_t>(m) * K;
+  float largest = 0.0f;
+  for (int k = 0; k < K; ++k) largest = std::max(largest, std::fabs(ToFloat(row[k])));
+  const float s = largest > 0.0f ? largest * (1.0f / 127.0f) : 1.0f;
+  const float inverse = 1.0f / s;
+  int8_t* q = xq + static_cast<int64_t>(m) * Kp;
+  for (int k = 0; k < K; ++k)
+    q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(ToFloat(row[k]) * inverse), -127.0f, 127.0f));
+  std::memset(q + K, 0, Kp - K);
+  scale[m] = s;
 }
 
 // An item's int32 sums (`rows` x 32, one row of `count` panels each) scaled back and stored: float(sum) * x_scale *
@@ -109,7 +107,10 @@ void Run(ffi::ThreadPool& pool, const X* x, const int8_t* panels, const float* w
   std::memset(out + static_cast<int64_t>(rows) * N, 0, sizeof(Out) * static_cast<int64_t>(M - rows) * N);
   std::vector<int8_t> xq(static_cast<size_t>(rows) * Kp);
   std::vector<float> x_scale(rows);
-  QuantizeRows(x, rows, K, Kp, xq.data(), x_scale.data());
+  ParallelFor(pool, rows, [&](int m) {
+    QuantizeRow(x, m, K, Kp, xq.data(), x_scale.data());
+    return true;
+  });
   const int num_panels = kGated ? 2 * N / kPanel : (N + kPanel - 1) / kPanel;
   const int num_items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
   const int64_t panel_bytes = static_cast<int64_t>(Kp / kGroup) * kRowBytes;
