@@ -64,13 +64,12 @@ void TilePanelsInt8(const int8_t* x, int rows, int K, const int8_t* panel, int32
 // simplifier turns both divisions into multiplications by reciprocals (the constant's folded: largest * (1 / 127);
 // the row's taken once), and the kernel does as it does, so that the codes are the same.
 template <typename X>
-__attribute__((optimize("no-reciprocal-math"))) void QuantizeRow(const X* x, int m, int K, int Kp, int8_t* xq,
-                                                                 float* scale) {
+void QuantizeRow(const X* x, int m, int K, int Kp, int8_t* xq, float* scale) {
   const X* row = x + static_cast<int64_t>(m) * K;
   float largest = 0.0f;
   for (int k = 0; k < K; ++k) largest = std::max(largest, std::fabs(ToFloat(row[k])));
-  const float s = largest > 0.0f ? largest * (1.0f / 127.0f) : 1.0f;
-  const float inverse = 1.0f / s;
+  const float s = Opaque(largest > 0.0f ? largest * (1.0f / 127.0f) : 1.0f);
+  const float inverse = Opaque(1.0f / s);  // not folded with the scale's product under -freciprocal-math
   int8_t* q = xq + static_cast<int64_t>(m) * Kp;
   for (int k = 0; k < K; ++k)
     q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(ToFloat(row[k]) * inverse), -127.0f, 127.0f));
@@ -79,16 +78,43 @@ __attribute__((optimize("no-reciprocal-math"))) void QuantizeRow(const X* x, int
 }
 
 // An item's int32 sums (`rows` x 32, one row of `count` panels each) scaled back and stored: float(sum) * x_scale *
-// w_scale as Out (quantized.py's `rescaled`, multiplied in that order: not reassociated, which would move the
-// float32 result by an ulp), or in the gated form GatedSums of the gate's and the up's.
+// w_scale as Out (quantized.py's `rescaled`, multiplied in that order: reassociated, as -fassociative-math lets the
+// compiler, they move the float32 result by an ulp), or in the gated form GatedSums of the gate's and the up's.
+#if defined(JPAGED_MATMUL_AVX512)
+// Sixteen columns a step, the first product kept from the second by kernel.h's Opaque (__builtin_assoc_barrier and
+// separate loops did not keep the order), stored as StoreSums rounds.
 template <bool kGated, typename Out>
-__attribute__((optimize("no-associative-math"))) void StoreRescaled(const int32_t* sums, int rows, const float* x_scale, const float* w_scale, int count, Out* out,
+void StoreRescaled(const int32_t* sums, int rows, const float* x_scale, const float* w_scale, int count, Out* out,
                    int N, int width) {
   constexpr int kItem = kPanelsPerItem * kPanel;
   for (int m = 0; m < rows; ++m) {
+    __m512 scaled[kPanelsPerItem];
+    for (int p = 0; p < count; ++p) {
+      const __m512i row = _mm512_loadu_si512(sums + m * kItem + p * kPanel);
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(row), _mm512_set1_ps(x_scale[m]));
+      scaled[p] = _mm512_mul_ps(Opaque(t), _mm512_loadu_ps(w_scale + p * kPanel));
+    }
+    Out* out_row = out + static_cast<int64_t>(m) * N;
+    if constexpr (kGated) {
+      StoreSums(GatedSums<Out>(scaled[0], scaled[1]), out_row, 0xFFFF);
+    } else {
+      for (int p = 0; p < count; ++p) StoreSums(scaled[p], out_row + p * kPanel, ColumnMask(p, count, width));
+    }
+  }
+}
+#else
+// Eight columns a step, the first product kept from the second as above (kernel.h's Opaque).
+template <bool kGated, typename Out>
+void StoreRescaled(const int32_t* sums, int rows, const float* x_scale, const float* w_scale, int count, Out* out,
+                   int N, int width) {
+  constexpr int kItem = kPanelsPerItem * kPanel;
+  typedef int32_t I32x8 __attribute__((vector_size(32), aligned(4), may_alias));
+  for (int m = 0; m < rows; ++m) {
     alignas(32) float row[kItem];
-    for (int c = 0; c < count * kPanel; ++c)
-      row[c] = static_cast<float>(sums[m * kItem + c]) * x_scale[m] * w_scale[c];
+    for (int c = 0; c < count * kPanel; c += 8) {
+      const V8 t = __builtin_convertvector(*reinterpret_cast<const I32x8*>(sums + m * kItem + c), V8) * x_scale[m];
+      Store(row + c, Opaque(t) * Load(w_scale + c));
+    }
     Out* out_row = out + static_cast<int64_t>(m) * N;
     if constexpr (kGated) {
       for (int half = 0; half < kPanel; half += 8) {
@@ -100,6 +126,7 @@ __attribute__((optimize("no-associative-math"))) void StoreRescaled(const int32_
     }
   }
 }
+#endif
 
 template <bool kGated, typename X, typename Out>
 void Run(ffi::ThreadPool& pool, const X* x, const int8_t* panels, const float* w_scale, Out* out, int M, int rows,

@@ -35,6 +35,20 @@ inline void FromFloat(float x, uint16_t* out) {  // round to nearest even
   *out = static_cast<uint16_t>(bits >> 16);
 }
 
+// v as it is, through an empty asm the compiler cannot see into: the kernels' fast-math flags let it reassociate
+// and fold floating-point expressions, and where a result must round as XLA's does, an operand goes through this
+// (a register constraint for SSE/AVX values on x86; elsewhere memory, through a volatile copy).
+template <typename T>
+inline T Opaque(T v) {
+#if defined(__x86_64__)
+  asm("" : "+x"(v));
+  return v;
+#else
+  volatile T copy = v;
+  return copy;
+#endif
+}
+
 // Eight floats, loaded and stored unaligned; GCC and Clang lower it to the machine's SIMD (AVX, NEON...).
 typedef float V8 __attribute__((vector_size(32), aligned(4), may_alias));
 typedef uint16_t U16x8 __attribute__((vector_size(16), aligned(2), may_alias));
