@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.config import QUANTIZATIONS
-from jpaged.models.grouped import GROUPED, GroupedMatrix, embedding_rows, is_grouped
+from jpaged.models.grouped import GROUPED, GroupedMatrix, dequantize, embedding_rows, is_grouped
 from jpaged.models.llama import params_dtype
 from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, WholeLeaf, act_and_mul
 from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize
@@ -55,8 +55,11 @@ class GroupedPanels(WholeLeaf):
         return self.codes, self.scale, self.bias
 
     def columns(self, ids: jax.Array) -> jax.Array:
-        """w[:, ids].T [len(ids), K] in the dtype it stands for (a tied embedding's rows from the LM head's)."""
-        return grouped_matmul.columns(self.panels(), ids, bits=self.bits).astype(self.dtype)
+        """w[:, ids].T [len(ids), K] in the dtype it stands for (a tied embedding's rows from the LM head's),
+        dequantised as every GroupedMatrix is."""
+        codes, scale, bias = grouped_matmul.columns(self.panels(), ids, bits=self.bits)
+        rows = GroupedMatrix(codes.T, scale.T, bias.T, transposed=True, dtype=self.dtype)
+        return dequantize(rows)
 
 
 @dataclass(frozen=True)

@@ -41,15 +41,15 @@ def pack(
     return code_panels, panels(scale), panels(bias)
 
 
-def columns(panels: tuple[jax.Array, jax.Array, jax.Array], ids: jax.Array, *, bits: int) -> jax.Array:
-    """w[:, ids].T [len(ids), K] in float32, read from w's `pack`ed panels (a tied embedding's rows from the LM
-    head's)."""
+def columns(
+    panels: tuple[jax.Array, jax.Array, jax.Array], ids: jax.Array, *, bits: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Columns `ids` of w read back from its `pack`ed panels (a tied embedding's rows from the LM head's): codes
+    [len(ids), K] (unpacked) and scale and bias [len(ids), K / G], for the caller to dequantise."""
     codes, scale, bias = (p[ids // PANEL, :, ids % PANEL] for p in panels)
     if bits == 4:
         codes = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(codes.shape[0], -1)
-    group = codes.shape[-1] // scale.shape[-1]
-    scale, bias = (jnp.repeat(a.astype(jnp.float32), group, axis=-1) for a in (scale, bias))
-    return codes.astype(jnp.float32) * scale + bias
+    return codes, scale, bias
 
 
 def matmul(
