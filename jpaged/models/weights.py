@@ -32,13 +32,19 @@ def read_hf_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf_config(hf)
 
 
-def _safetensors_files(model_dir: Path) -> Callable[[str], Any]:
-    """name -> (the open (memory-mapped) safetensors file holding it, its name there), over every
+def read_quantization_config(model_dir: Path) -> dict | None:
+    """config.json's `quantization_config` (a checkpoint shipped quantized), if it has one."""
+    return json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+
+
+def _safetensors_files(model_dir: Path) -> tuple[Callable[[str], Any], frozenset[str]]:
+    """name -> (the open (memory-mapped) safetensors file holding it, its name there), and the names, over every
     `*.safetensors` shard of a directory (sharded index or not). A base model's checkpoint (transformers'
     AutoModel, as sentence-transformers saves embedding models) names its tensors without the "model." prefix:
     they answer to the prefixed names too."""
     from safetensors import safe_open
 
+    _float8_for_safetensors()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_dir}")
@@ -54,23 +60,33 @@ def _safetensors_files(model_dir: Path) -> Callable[[str], Any]:
             raise ValueError(f"weight {name!r} missing from {model_dir}")
         return where[name]
 
-    return file_of
+    return file_of, frozenset(where)
 
 
-def safetensors_reader(model_dir: Path) -> GetTensor:
-    """name -> the whole array."""
-    file_of = _safetensors_files(model_dir)
+def _float8_for_safetensors() -> None:
+    """safetensors' numpy reader looks float8 types up on the numpy module, which has none: ml_dtypes' (numpy's
+    float8 types, as jax uses them) stand there, so FP8 checkpoints read as numpy arrays like any other."""
+    import ml_dtypes
+
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        if not hasattr(np, name):
+            setattr(np, name, getattr(ml_dtypes, name))
+
+
+def safetensors_reader(model_dir: Path) -> tuple[GetTensor, frozenset[str]]:
+    """name -> the whole array, and the names there are."""
+    file_of, names = _safetensors_files(model_dir)
 
     def get(name: str) -> np.ndarray:
         handle, stored = file_of(name)
         return handle.get_tensor(stored)
 
-    return get
+    return get, names
 
 
 def safetensors_slicer(model_dir: Path) -> Callable[[str], Any]:
     """name -> the tensor's slice handle: indexing it reads just that part."""
-    file_of = _safetensors_files(model_dir)
+    file_of, _ = _safetensors_files(model_dir)
 
     def get(name: str):
         handle, stored = file_of(name)
