@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jpaged.models.grouped import GroupedMatrix
+from jpaged.models.grouped import GroupedMatrix, grouped_rows
 
 QK = 32  # weights a block of Q4_0, Q4_1, Q8_0 (and a sub-block of Q4_K and Q5_K)
 
@@ -27,35 +27,20 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(qs.shape[0], -1).astype(np.uint8)
 
 
-def _grouped(
-    codes: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int, *, halves_if_exact: bool = True
-) -> GroupedMatrix:
-    """The [out, in] matrix of a GGUF's rows (codes [out, in], scale and bias [out, in / G]) stored grouped along
-    `in`, so transposed; scale and bias as float16 where that holds them exactly (and `halves_if_exact`: the
-    K-quants' products are float32 whatever a tensor's values, so its form does not depend on them), else float32."""
-    scale, bias = scale.astype(np.float32), bias.astype(np.float32)
-    halves = [a.astype(np.float16) for a in (scale, bias)]
-    if halves_if_exact and all(
-        np.array_equal(h.astype(np.float32), a) for h, a in zip(halves, (scale, bias), strict=True)
-    ):
-        scale, bias = halves
-    return GroupedMatrix(codes.T, scale.T, bias.T, bits, transposed=True)
-
-
 def _q4_0(blocks: np.ndarray) -> GroupedMatrix:
     d = _halves(blocks[..., :2])[..., 0]
-    return _grouped(_nibbles(blocks[..., 2:]), d, -8 * d, 4)
+    return grouped_rows(_nibbles(blocks[..., 2:]), d, -8 * d, 4)
 
 
 def _q4_1(blocks: np.ndarray) -> GroupedMatrix:
     d, m = _halves(blocks[..., :2])[..., 0], _halves(blocks[..., 2:4])[..., 0]
-    return _grouped(_nibbles(blocks[..., 4:]), d, m, 4)
+    return grouped_rows(_nibbles(blocks[..., 4:]), d, m, 4)
 
 
 def _q8_0(blocks: np.ndarray) -> GroupedMatrix:
     d = _halves(blocks[..., :2])[..., 0]
     codes = blocks[..., 2:].view(np.int8).reshape(blocks.shape[0], -1)
-    return _grouped(codes, d, np.zeros_like(d), 8)
+    return grouped_rows(codes, d, np.zeros_like(d), 8)
 
 
 def _q4_k(blocks: np.ndarray) -> GroupedMatrix:
@@ -64,7 +49,7 @@ def _q4_k(blocks: np.ndarray) -> GroupedMatrix:
     rows, supers = blocks.shape[:2]
     scale, bias = _k_scales(blocks)
     qs = blocks[..., 16:].reshape(rows, supers * 4, 32)
-    return _grouped(_nibbles(qs), scale, bias, 4, halves_if_exact=False)
+    return grouped_rows(_nibbles(qs), scale, bias, 4, halves_if_exact=False)
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -95,7 +80,7 @@ def _q5_k(blocks: np.ndarray) -> GroupedMatrix:
     scale, bias = _k_scales(blocks)
     low = _nibbles(blocks[..., 48:].reshape(rows, supers * 4, 32))
     high = _bits_of(blocks[..., 16:48], 1)
-    return _grouped(low | (high << 4), scale, bias, 8, halves_if_exact=False)
+    return grouped_rows(low | (high << 4), scale, bias, 8, halves_if_exact=False)
 
 
 def _q6_k(blocks: np.ndarray) -> GroupedMatrix:
@@ -108,7 +93,7 @@ def _q6_k(blocks: np.ndarray) -> GroupedMatrix:
     codes = (low | (high << 4)).astype(np.int8) - np.int8(32)
     d = _halves(blocks[..., 208:210])  # [rows, supers, 1]
     scale = (d * blocks[..., 192:208].view(np.int8).astype(np.float32)).reshape(rows, -1)
-    return _grouped(codes, scale, np.zeros_like(scale), 8, halves_if_exact=False)
+    return grouped_rows(codes, scale, np.zeros_like(scale), 8, halves_if_exact=False)
 
 
 # GGUF type name -> (bytes a block, decoder of [rows, blocks, bytes])

@@ -56,6 +56,22 @@ class GroupedMatrix(WholeLeaf):
         return dataclasses.replace(self, dtype=np.dtype(dtype))
 
 
+def grouped_rows(
+    codes: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int, *, halves_if_exact: bool = True
+) -> GroupedMatrix:
+    """A checkpoint's [out, in] matrix (codes [out, in], scale and bias [out, in / G]: a GGUF's rows, an HF 4-bit
+    format's) stored grouped along `in`, so transposed; scale and bias as float16 where that holds them exactly
+    (and `halves_if_exact`: the K-quants' products are float32 whatever a tensor's values, so its form does not
+    depend on them), else float32."""
+    scale, bias = scale.astype(np.float32), bias.astype(np.float32)
+    halves = [a.astype(np.float16) for a in (scale, bias)]
+    if halves_if_exact and all(
+        np.array_equal(h.astype(np.float32), a) for h, a in zip(halves, (scale, bias), strict=True)
+    ):
+        scale, bias = halves
+    return GroupedMatrix(codes.T, scale.T, bias.T, bits, transposed=True)
+
+
 GROUPED_FIELDS = ("codes", "scale", "bias")  # the arrays of a GroupedMatrix
 
 

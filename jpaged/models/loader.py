@@ -18,6 +18,7 @@ from flax.traverse_util import unflatten_dict
 from transformers import PreTrainedTokenizerBase
 
 from jpaged.models.checkpoint import ORBAX_MARKER, lazy_checkpoint, restore_checkpoint
+from jpaged.models.checkpoint_quantization import quantized_reader
 from jpaged.models.config import ModelConfig
 from jpaged.models.default_model import default_model_path
 from jpaged.models.gguf_cache import load_converted, store_converted
@@ -25,7 +26,15 @@ from jpaged.models.gguf_metadata import gguf_model_config, gguf_tokenizer, read_
 from jpaged.models.grouped import is_grouped
 from jpaged.models.lazy_weights import FusedWeight
 from jpaged.models.params import hf_recipes, param_stats, params_from_hf_names
-from jpaged.models.weights import gguf_reader, read_hf_config, safetensors_reader, safetensors_slicer
+from jpaged.models.products import WholeLeaf
+from jpaged.models.quantized import QuantizedMatrix
+from jpaged.models.weights import (
+    gguf_reader,
+    read_hf_config,
+    read_quantization_config,
+    safetensors_reader,
+    safetensors_slicer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +102,13 @@ def load_model(
     keep_blocks: bool = False,
 ) -> LoadedModel:
     """Load config, params and tokenizer from any supported source; logs time, parameter count and bytes.
-    `keep_blocks`: a GGUF's layer matrices of the block types the kernels read stay quantized (GroupedMatrix,
-    models/gguf_blocks.py), the rest is cast to `dtype`.
+    `keep_blocks`: a quantized checkpoint's layer matrices stay quantized (a GGUF's blocks of the types the kernels
+    read, models/gguf_blocks.py; an HF checkpoint's with a quantization_config, models/checkpoint_quantization.py),
+    the rest is cast to `dtype`; without it they are dequantised.
 
     `lazy` (for tensor parallelism): HF safetensors and the GGUF conversion cache give lazy weights, read only
     where indexed (lazy_weights.py), orbax checkpoints CheckpointedWeights that tensor parallelism restores into
-    their shards; a GGUF's first conversion is read whole."""
+    their shards; a GGUF's first conversion and a quantized HF checkpoint are read whole (and dequantised)."""
     start = time.perf_counter()
     source = resolve_model(model)
     if source.kind == "orbax":
@@ -106,7 +116,8 @@ def load_model(
         tokenizer = load_tokenizer(source.path)
     elif source.kind == "hf":
         config = read_hf_config(source.path)
-        if lazy:
+        quantization = read_quantization_config(source.path)
+        if lazy and quantization is None:
             slicer = safetensors_slicer(source.path)
             recipes = hf_recipes(config).items()
             flat = {
@@ -114,7 +125,10 @@ def load_model(
             }
             params = unflatten_dict(flat, sep="/")
         else:
-            params = params_from_hf_names(config, safetensors_reader(source.path), dtype, progress=progress)
+            get, names = safetensors_reader(source.path)
+            if quantization is not None:
+                get = quantized_reader(quantization, get, names, keep=keep_blocks and not lazy)
+            params = _standing_for(params_from_hf_names(config, get, dtype, progress=progress), dtype)
         tokenizer = load_tokenizer(source.path)
     else:
         if keep_blocks and lazy:
@@ -129,11 +143,7 @@ def load_model(
             params = params_from_hf_names(config, reader, np.float32, progress=progress)
             tokenizer = gguf_tokenizer(fields)
             store_converted(source.path, config, params, tokenizer, blocks=keep_blocks)
-            params = jax.tree_util.tree_map(
-                lambda x: x.standing_for(dtype) if is_grouped(x) else x.astype(dtype, copy=False),
-                params,
-                is_leaf=is_grouped,
-            )
+            params = _standing_for(params, dtype)
         else:
             config, params, tokenizer = converted
     config = dataclasses.replace(config, eos_token_ids=eos_token_ids(config.eos_token_ids, tokenizer))
@@ -149,6 +159,17 @@ def load_model(
         nbytes / 2**20,
     )
     return LoadedModel(config, params, tokenizer, source, seconds)
+
+
+def _standing_for(params: dict, dtype) -> dict:
+    """Float leaves cast to `dtype`, GroupedMatrix leaves standing for it (a QuantizedMatrix computes in any)."""
+
+    def cast(leaf):
+        if isinstance(leaf, QuantizedMatrix):
+            return leaf
+        return leaf.standing_for(dtype) if is_grouped(leaf) else leaf.astype(dtype, copy=False)
+
+    return jax.tree_util.tree_map(cast, params, is_leaf=lambda x: isinstance(x, WholeLeaf))
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

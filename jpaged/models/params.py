@@ -14,7 +14,9 @@ from flax.traverse_util import unflatten_dict
 from tqdm.auto import tqdm
 
 from jpaged.models.config import ModelConfig
-from jpaged.models.grouped import GroupedMatrix, host_dequantized, is_grouped, joined_columns
+from jpaged.models.grouped import host_dequantized, is_grouped, joined_columns
+from jpaged.models.products import WholeLeaf
+from jpaged.models.quantized import QuantizedMatrix
 
 GetTensor = Callable[[str], np.ndarray]  # transformers name -> array in transformers' [out, in] layout
 
@@ -42,14 +44,14 @@ def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress
     """The CausalLM state dict (numpy, `dtype`) from tensors named as in the family's transformers modules."""
     recipes = hf_recipes(config)
 
-    def read(recipe: LeafRecipe, layer: int | None) -> np.ndarray | GroupedMatrix:
+    def read(recipe: LeafRecipe, layer: int | None) -> np.ndarray | WholeLeaf:
         parts = [get(name.format(i=layer)) for name in recipe.names]
         parts = [part.T for part in parts] if recipe.transposed else parts
-        if any(is_grouped(part) for part in parts):
-            joined = joined_columns(parts)
+        if any(isinstance(part, WholeLeaf) for part in parts):
+            joined = _joined(parts)
             if joined is not None:
                 return joined
-            parts = [host_dequantized(part) if is_grouped(part) else part for part in parts]
+            parts = [dequantized(part) for part in parts]
         return np.asarray(np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0], dtype=dtype)
 
     flat = {path: read(recipe, None) for path, recipe in recipes.items() if not recipe.per_layer}
@@ -58,17 +60,40 @@ def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress
         for path, recipe in recipes.items():
             if recipe.per_layer:
                 per_layer.setdefault(path, []).append(read(recipe, i))
-    stacked = {
-        path: jax.tree_util.tree_map(lambda *layers: np.stack(layers), *stack)
-        for path, stack in per_layer.items()
-    }
-    flat.update(stacked)
+    flat.update({path: _stacked(stack, dtype) for path, stack in per_layer.items()})
     return unflatten_dict(flat, sep="/")
 
 
+def _joined(parts: list) -> WholeLeaf | None:
+    """Quantized matrices [K, N_i] side by side as one, or None where they are not all of one form."""
+    if all(isinstance(part, QuantizedMatrix) for part in parts):
+        if len({part.values.dtype for part in parts}) == 1:
+            return jax.tree_util.tree_map(lambda *columns: np.concatenate(columns, axis=-1), *parts)
+        return None
+    return joined_columns(parts)
+
+
+def _stacked(layers: list, dtype) -> np.ndarray | WholeLeaf:
+    """The layers' leaves stacked on a new first axis; dequantised where they differ in form (a checkpoint that
+    left some layers' matrices unquantized)."""
+    structure = {jax.tree_util.tree_structure(layer) for layer in layers}
+    if len(structure) > 1:
+        layers = [np.asarray(dequantized(layer), dtype) for layer in layers]
+    return jax.tree_util.tree_map(lambda *stack: np.stack(stack), *layers)
+
+
+def dequantized(matrix) -> np.ndarray:
+    """The float32 matrix a quantized one stands for (a float one as it is)."""
+    if is_grouped(matrix):
+        return host_dequantized(matrix)
+    if isinstance(matrix, QuantizedMatrix):
+        return np.asarray(matrix.values, np.float32) * np.asarray(matrix.scale, np.float32)
+    return matrix
+
+
 def param_stats(params: dict) -> tuple[int, int]:
-    """(number of parameters, bytes) of a params pytree; a GroupedMatrix counts a parameter a code."""
-    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_grouped)
+    """(number of parameters, bytes) of a params pytree; a quantized matrix counts a parameter a code."""
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, WholeLeaf))
     count = sum(int(np.prod(np.shape(x))) for x in leaves)
     arrays = jax.tree_util.tree_leaves(params)
     return count, sum(int(x.size) * x.dtype.itemsize for x in arrays)
@@ -120,13 +145,14 @@ def check_same_leaves(expected: dict, given: dict, given_as: str = "the new weig
     shape), so every compiled step takes them; raises ValueError naming the first leaf that differs."""
     flatten = jax.tree_util.tree_flatten_with_path
     ours = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(expected)[0]}
-    theirs = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(given, is_leaf=is_grouped)[0]}
+    is_matrix = lambda x: isinstance(x, WholeLeaf)  # noqa: E731
+    theirs = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(given, is_leaf=is_matrix)[0]}
     for path, leaf in ours.items():
         if path not in theirs:
             raise ValueError(f"params{path} is missing from {given_as}")
         other = theirs[path]
         shape, dtype = np.shape(other), getattr(other, "dtype", None)
-        if is_grouped(other):
+        if isinstance(other, WholeLeaf):  # a quantized matrix stands for a leaf of the model's dtype
             shape, dtype = other.shape, leaf.dtype
         if shape != np.shape(leaf) or dtype != leaf.dtype:
             raise ValueError(

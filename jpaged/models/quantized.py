@@ -32,7 +32,8 @@ _DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QuantizedMatrix(WholeLeaf):
-    """A matrix [..., K, N] as `values` (int8 or float8_e4m3fn) times `scale` [..., 1, N] (float32)."""
+    """A matrix [..., K, N] as `values` (int8 or float8_e4m3fn) times `scale` [..., 1, N] (float32). A checkpoint's
+    [out, in] matrix comes with a scale a row, [..., N, 1], until `.T` puts it the way the products read it."""
 
     values: jax.Array
     scale: jax.Array
@@ -40,6 +41,15 @@ class QuantizedMatrix(WholeLeaf):
     @property
     def shape(self) -> tuple[int, ...]:
         return self.values.shape
+
+    @property
+    def T(self) -> QuantizedMatrix:  # noqa: N802 (numpy's name)
+        return QuantizedMatrix(*(a.swapaxes(-1, -2) for a in (self.values, self.scale)))
+
+    @property
+    def scheme(self) -> str:
+        """The W8A8 scheme its values are stored in."""
+        return "int8" if self.values.dtype == jnp.int8 else "fp8"
 
 
 def _quantized(x: jax.Array, amax: jax.Array, scheme: str) -> tuple[jax.Array, jax.Array]:
@@ -109,7 +119,8 @@ class QuantizedProducts(StackedProducts):
         laid_out = jax.tree_util.tree_map(lambda leaf: leaf, super().layout(params))  # new dicts, same arrays
         for parent, leaf in LAYER_MATRICES.values():
             node = laid_out["layers"][parent]
-            node[leaf] = quantize(node[leaf], self.scheme)
+            if not isinstance(node[leaf], QuantizedMatrix):  # a checkpoint's own are kept
+                node[leaf] = quantize(node[leaf], self.scheme)
         return laid_out
 
     def layer(self, name, weight, x, layer, rows) -> jax.Array:

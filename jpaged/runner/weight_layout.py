@@ -139,7 +139,7 @@ class Int8PanelProducts(PanelProducts):
     embedding and LM head as PanelProducts holds them; the gated form where PanelProducts takes it."""
 
     def layer_panels(self, matrix, gated: bool) -> QuantizedMatrix:
-        quantized = quantize(matrix, "int8")
+        quantized = matrix if isinstance(matrix, QuantizedMatrix) else quantize(matrix, "int8")
         return QuantizedMatrix(*int8_matmul.pack(quantized.values, quantized.scale, gated=gated))
 
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
@@ -176,6 +176,8 @@ def choose_products(
     (models.quantized), multiplied by XLA's native int8/fp8 dots, or on the CPU (int8) by the int8 kernel. Group-quantized matrices in the params go to
     the grouped kernel with the panels, else are dequantised where used (GroupedProducts)."""
     on_cpu = jax.default_backend() == "cpu"
+    matrices = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, WholeLeaf))
+    quantization = _checkpoint_scheme(matrices) or quantization
     if quantization in QUANTIZATIONS:
         if (
             quantization == "int8"
@@ -185,14 +187,25 @@ def choose_products(
         ):
             return Int8PanelProducts.for_params(params, activation)
         return QuantizedProducts(scheme=quantization)
+    grouped = [matrix for matrix in matrices if is_grouped(matrix)]
     if layout == "auto":
-        layout = "panels" if on_cpu and cpu_matmul.supports(params_dtype(params)) else "stacked"
+        kernel_reads = all(grouped_matmul.reads(matrix) for matrix in grouped)
+        layout = (
+            "panels" if on_cpu and cpu_matmul.supports(params_dtype(params)) and kernel_reads else "stacked"
+        )
     if layout == "panels":
         return PanelProducts.for_params(params, activation)
     if layout == "stacked":
-        grouped = any(map(is_grouped, jax.tree_util.tree_leaves(params, is_leaf=is_grouped)))
         return GROUPED if grouped else STACKED
     raise ValueError(f"layout must be 'auto', 'stacked' or 'panels', got {layout!r}")
+
+
+def _checkpoint_scheme(matrices: list) -> str | None:
+    """The W8A8 scheme a checkpoint's own QuantizedMatrix leaves are stored in, if it has any."""
+    schemes = {matrix.scheme for matrix in matrices if isinstance(matrix, QuantizedMatrix)}
+    if len(schemes) > 1:
+        raise ValueError(f"a checkpoint mixing W8A8 schemes {sorted(schemes)} is not supported")
+    return schemes.pop() if schemes else None
 
 
 def held_weight_bytes(params: dict, activation: str, quantization: str | None) -> dict[str, int]:

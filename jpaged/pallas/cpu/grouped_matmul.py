@@ -41,6 +41,13 @@ def pack(
     return code_panels, panels(scale), panels(bias)
 
 
+def reads(matrix) -> bool:
+    """Whether the kernel multiplies by this GroupedMatrix (models/grouped.py): integer codes of CODE_BITS bits
+    (float8 codes, a block-scaled FP8 checkpoint's, are dequantised the XLA way)."""
+    integer = jnp.issubdtype(matrix.codes.dtype, jnp.integer)
+    return integer and matrix.bits in CODE_BITS and (matrix.bits == 8 or matrix.group_size % 2 == 0)
+
+
 def columns(
     panels: tuple[jax.Array, jax.Array, jax.Array], ids: jax.Array, *, bits: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -1,0 +1,43 @@
+"""What the readers of quantized HF checkpoints share (models/compressed_tensors.py, fp8_checkpoint.py, awq.py,
+gptq.py; models/checkpoint_quantization.py picks one): the reader's protocol, and codes packed in int32 words."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Protocol
+
+import numpy as np
+
+from jpaged.models.grouped import GroupedMatrix, grouped_rows
+from jpaged.models.params import GetTensor
+from jpaged.models.quantized import QuantizedMatrix
+
+# What a format gives for a matrix: kept quantized, or float32 [out, in] where it cannot be kept.
+Matrix = GroupedMatrix | QuantizedMatrix | np.ndarray
+
+
+class FormatReader(Protocol):
+    def __call__(self, module: str, get: GetTensor, names: Collection[str]) -> Matrix | None:
+        """The matrix of `module` (e.g. "model.layers.0.mlp.down_proj") in transformers' [out, in] orientation,
+        or None where the module is not quantized in the checkpoint (its `.weight` is read as it is)."""
+        ...
+
+
+def unpack_words(words: np.ndarray, bits: int) -> np.ndarray:
+    """int32 words [..., W] holding 32 / bits codes each, the first in the lowest bits -> uint8 codes
+    [..., W * 32 / bits] (how compressed-tensors, AWQ and GPTQ pack 4- and 8-bit codes)."""
+    if bits not in (4, 8):
+        raise ValueError(f"only 4- and 8-bit packed codes are read, got num_bits={bits}")
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint32) * bits
+    codes = (words.astype(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    return codes.reshape(*words.shape[:-1], -1).astype(np.uint8)
+
+
+def rows_with_zeros(
+    codes: np.ndarray, scale: np.ndarray, zero: np.ndarray | float, bits: int
+) -> GroupedMatrix:
+    """w = scale (codes - zero) of [out, in] codes with scale and zero [out, in / G] as a GroupedMatrix (its bias
+    -scale zero)."""
+    scale = np.asarray(scale, np.float32)
+    return grouped_rows(codes, scale, -scale * np.float32(zero), bits)

@@ -1,0 +1,276 @@
+"""HF checkpoints shipped quantized are served kept as stored: every matrix stands for exactly what the format's own
+library dequantises it to; the kernels give the logits of the XLA dequantise-then-dot form; weight-only formats give
+transformers' logits of the dequantised model; the engine serves them with nothing compiled after warm-up, and
+`--quantization none` (or tensor parallelism) dequantises them at load.
+
+Checkpoints: llm-compressor writes the compressed-tensors ones (its preset schemes); the FP8 block one (Qwen3-FP8 and
+DeepSeek's `quant_method: fp8`) is quantised here in torch; AWQ and GPTQ by tests/quantized_checkpoints.py. References:
+compressed-tensors' own `dequantize` and FP8BlockDequantizer, its AutoAWQ converter, and the GPTQ writer's dequantised
+weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from test_models import PagedRun, relative_error
+
+from jpaged import LLM, SamplingParams
+from jpaged.models.grouped import GroupedMatrix
+from jpaged.models.loader import load_model
+from jpaged.models.params import dequantized
+from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts
+from jpaged.runner.weight_layout import GroupedPanels
+
+pytest.importorskip("llmcompressor")
+torch = pytest.importorskip("torch")
+
+SHAPE = dict(
+    hidden_size=256,  # group and block sizes are 128
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    vocab_size=49152,  # the default tokenizer's
+)
+MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj") + tuple(
+    f"mlp.{m}_proj" for m in ("gate", "up", "down")
+)
+# llm-compressor's preset scheme -> how jpaged keeps its matrices, and whether activations stay in float (W*A16).
+COMPRESSED = {
+    "W4A16": (GroupedMatrix, True),
+    "W4A16_ASYM": (GroupedMatrix, True),
+    "W8A16": (GroupedMatrix, True),
+    "W8A8": (QuantizedMatrix, False),
+    "FP8_DYNAMIC": (QuantizedMatrix, False),
+    "FP8_BLOCK": (GroupedMatrix, True),  # weights dequantised where used (activations kept in float)
+}
+FORMATS = [*COMPRESSED, "fp8_blocks", "awq", "gptq", "gptq_act_order"]
+ARGS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=2**22)
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory, default_tokenizer) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**SHAPE), dtype=torch.float32
+    )
+    path = tmp_path_factory.mktemp("quantized") / "float"
+    model.save_pretrained(path)
+    default_tokenizer.save_pretrained(path)
+    return path
+
+
+@functools.cache
+def _checkpoint(form: str, float_dir: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """The checkpoint of `form` and the float32 matrices its library dequantises it to, by module name."""
+    out = float_dir.parent / form
+    if form in COMPRESSED:
+        return _compressed(form, float_dir, out)
+    if form == "fp8_blocks":
+        return _fp8_blocks(float_dir, out)
+    from quantized_checkpoints import write_awq, write_gptq
+
+    written = (
+        write_awq(float_dir, out) if form == "awq" else write_gptq(float_dir, out, desc_act="act" in form)
+    )
+    return written, _weights(written / "dequantized")
+
+
+def _weights(model_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    return {name.removesuffix(".weight"): w for name, w in tensors.items() if name.endswith("_proj.weight")}
+
+
+def _compressed(scheme: str, float_dir: Path, out: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    import transformers
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]))
+    model.save_pretrained(out)
+    shutil.copy(float_dir / "tokenizer.json", out)
+    shutil.copy(float_dir / "tokenizer_config.json", out)
+    # compressed-tensors' dequantisation of each module, from its quantised weight as the model holds it after
+    # compression is undone (the library's own unpacking of the saved checkpoint is the test's other side).
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    args = QuantizationArgs(**next(iter(config["config_groups"].values()))["weights"])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    oneshot(model=ref, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]))
+    expected = {}
+    for name, module in ref.named_modules():
+        if name.endswith(MATRICES):
+            from compressed_tensors.quantization.lifecycle.forward import quantize
+
+            zero = getattr(module, "weight_zero_point", None)
+            q = quantize(module.weight, module.weight_scale, zero, args)
+            expected[name] = dequantize(q, module.weight_scale, zero, args, dtype=torch.float32).numpy()
+    return out, expected
+
+
+def _fp8_blocks(float_dir: Path, out: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """128 x 128 blocks, each scaled so its largest magnitude is e4m3's (448), as DeepSeek-V3's checkpoints are."""
+    from compressed_tensors.entrypoints.convert import FP8BlockDequantizer
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(float_dir, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        w = tensors[name]
+        blocks = w.reshape(w.shape[0] // 128, 128, w.shape[1] // 128, 128)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        tensors[name] = (blocks / scale[:, None, :, None]).reshape(w.shape).to(torch.float8_e4m3fn)
+        tensors[name.replace(".weight", ".weight_scale_inv")] = scale
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]
+    )
+    (out / "config.json").write_text(json.dumps(config))
+    dense = FP8BlockDequantizer(targets=["re:.*_proj$"], dtype=torch.float32).process(dict(tensors))
+    return out, {n.removesuffix(".weight"): dense[n].numpy() for n in dense if n.endswith("_proj.weight")}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(float_dir):
+    return lambda form: _checkpoint(form, float_dir)
+
+
+def _matrix(params: dict, module: str) -> np.ndarray:
+    """Module `model.layers.{i}.{m}` of the loaded params, dequantised, in transformers' [out, in]."""
+    layer, name = int(module.split(".")[2]), module.split(".", 3)[3]
+    q, kv = SHAPE["hidden_size"], SHAPE["hidden_size"] // 2
+    attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
+    columns = {
+        "self_attn.q_proj": (attn["qkv"], 0, q),
+        "self_attn.k_proj": (attn["qkv"], q, q + kv),
+        "self_attn.v_proj": (attn["qkv"], q + kv, q + 2 * kv),
+        "self_attn.o_proj": (attn["o"], 0, None),
+        "mlp.gate_proj": (mlp["gate_up"], 0, SHAPE["intermediate_size"]),
+        "mlp.up_proj": (mlp["gate_up"], SHAPE["intermediate_size"], None),
+        "mlp.down_proj": (mlp["down"], 0, None),
+    }
+    stack, start, end = columns[name]
+    return dequantized(stack)[layer][:, start:end].T
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_each_matrix_is_kept_and_stands_for_what_its_library_dequantises(form, checkpoint):
+    path, expected = checkpoint(form)
+    loaded = load_model(str(path), progress=False, keep_blocks=True)
+    kept = loaded.params["layers"]["mlp"]["down"]
+    kind = COMPRESSED.get(form, (GroupedMatrix,))[0]
+    if form == "gptq_act_order":  # inputs out of group order: dequantised at load
+        assert isinstance(kept, np.ndarray)
+    else:
+        assert isinstance(kept, kind) and isinstance(loaded.params["layers"]["attn"]["qkv"], kind)
+    for module, weight in expected.items():
+        assert relative_error(_matrix(loaded.params, module), weight) < 1e-6, module
+    dense = load_model(str(path), progress=False, keep_blocks=False).params["layers"]["mlp"]["down"]
+    assert isinstance(dense, np.ndarray) and dense.dtype == np.float32
+
+
+def test_the_awq_writer_agrees_with_compressed_tensors_converter(checkpoint):
+    from quantized_checkpoints import awq_matches_compressed_tensors
+
+    assert awq_matches_compressed_tensors(checkpoint("awq")[0])
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [list(map(int, rng.integers(0, vocab, n))) for n in (7, 30)]
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_the_kernels_give_the_logits_of_dequantise_then_dot(form, checkpoint):
+    loaded = load_model(str(checkpoint(form)[0]), progress=False, keep_blocks=True)
+    prompts = _prompts(loaded.config.vocab_size)
+    if isinstance(loaded.params["layers"]["mlp"]["down"], QuantizedMatrix):
+        scheme = loaded.params["layers"]["mlp"]["down"].scheme
+        runs = [
+            PagedRun(loaded, 2, layout="auto"),
+            PagedRun(loaded, 2, products=QuantizedProducts(scheme=scheme, reference=True)),
+        ]
+    else:
+        runs = [PagedRun(loaded, 2, layout=layout) for layout in ("auto", "stacked")]
+    for starts, ends in (([0, 0], [5, 28]), ([5, 28], [7, 30])):
+        ours, reference = (run.step(prompts, starts, ends) for run in runs)
+        for got, expected in zip(ours, reference, strict=True):
+            assert relative_error(got, expected) < 1e-3
+
+
+@pytest.mark.parametrize("form", [f for f in FORMATS if COMPRESSED.get(f, (None, True))[1]])
+def test_weight_only_formats_give_transformers_logits_of_the_dequantised_model(form, checkpoint, float_dir):
+    """transformers runs the float model with each matrix replaced by its library's dequantisation."""
+    import transformers
+    from conftest import hf_logits
+
+    path, expected = checkpoint(form)
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    for name, module in model.named_modules():
+        if name in expected:
+            module.weight.data = torch.from_numpy(expected[name])
+    dense = float_dir.parent / f"{form}-dense"
+    model.save_pretrained(dense)
+    loaded = load_model(str(path), progress=False, keep_blocks=True)
+    (prompt,) = _prompts(loaded.config.vocab_size)[1:]
+    (ours,) = PagedRun(loaded, 1, layout="auto").step([prompt], [0], [len(prompt)])
+    assert relative_error(ours, hf_logits(dense, prompt)) < 1e-3
+
+
+@pytest.mark.parametrize(("form", "held_as"), [("W4A16", GroupedPanels), ("W8A8", QuantizedMatrix)])
+def test_the_engine_serves_a_quantized_checkpoint_and_compiles_nothing_after_warm_up(
+    form, held_as, checkpoint
+):
+    path = str(checkpoint(form)[0])
+    prompts = [{"prompt_token_ids": p} for p in _prompts(SHAPE["vocab_size"])]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    mixed = [greedy, SamplingParams(max_tokens=5, n=2, temperature=0.8, seed=3, logprobs=2)]
+    for quantization, held in ((None, held_as), ("none", jax.Array)):
+        llm = LLM(model=path, quantization=quantization, **ARGS)
+        assert isinstance(llm.engine.runner.params["layers"]["mlp"]["down"], held)
+        compiled = llm.metrics()["num_compilations"]
+        llm.generate(prompts, greedy, use_tqdm=False)
+        llm.generate(prompts, mixed, use_tqdm=False)
+        assert llm.metrics()["num_compilations"] == compiled
+
+
+def test_tensor_parallelism_dequantises_a_quantized_checkpoint_and_generates_as_one_device(checkpoint):
+    from test_tensor_parallel import assert_same_as_one_device, generate
+
+    assert_same_as_one_device(generate(str(checkpoint("W4A16")[0]), 1, 2), 2)
+
+
+@pytest.mark.parametrize(
+    ("form", "change", "message"),
+    [
+        ("W4A16", dict(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
+        ("W4A16", dict(sparsity_config=dict(format="sparse-24-bitmask")), "sparsity_config format"),
+        ("awq", dict(version="gemv"), "version='gemv'"),
+        ("fp8_blocks", dict(fmt="e5m2"), "fmt 'e5m2'"),
+    ],
+)
+def test_a_quantization_config_jpaged_cannot_read_is_a_value_error_naming_its_field(
+    form, change, message, checkpoint, tmp_path
+):
+    path = tmp_path / form
+    shutil.copytree(checkpoint(form)[0], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_model(str(path), progress=False, keep_blocks=True)
