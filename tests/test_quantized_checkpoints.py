@@ -195,7 +195,9 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [list(map(int, rng.integers(0, vocab, n))) for n in (7, 30)]
 
 
-@pytest.mark.parametrize("form", FORMATS)
+# One checkpoint a kernel path: the grouped kernel's 4- and 8-bit codes (and AWQ's zeros), the int8 kernel, XLA's fp8
+# dot (block-scaled FP8 is dequantised the XLA way whatever the layout, so it has no second form to compare).
+@pytest.mark.parametrize("form", ["W4A16", "W8A16", "awq", "W8A8", "FP8_DYNAMIC"])
 def test_the_kernels_give_the_logits_of_dequantise_then_dot(form, checkpoint):
     loaded = load_model(str(checkpoint(form)[0]), progress=False, keep_blocks=True)
     prompts = _prompts(loaded.config.vocab_size)
