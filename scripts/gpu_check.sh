@@ -2,7 +2,8 @@
 # One command on a fresh GPU machine (an H200: Python 3.12, jax for CUDA, no network), from the project's root:
 #   bash scripts/gpu_check.sh          (under 8 minutes; on a machine without a GPU it says so and exits)
 # Prints: (a) jax's device and memory; (b) the compiled Triton kernel against the float64 oracle and the XLA
-# reference on the test configurations and a pool past 4 GiB, then the cuda lowering tests; (c)
+# reference on the test configurations and a pool past 4 GiB, then the cuda lowering tests, then the grouped
+# (W4A16 / W8A16 / FP8-block) matmul kernel against a float64 oracle and timed beside XLA's dots; (c)
 # scripts/bench_kernels.py (time and HBM bandwidth per step kind); (d) decode steps of Llama-1B- and 8B-shaped
 # random-weight models at 1/64/256 sequences beside the HBM floor, and one engine's warm-up and throughput; (e)
 # the CPU matmul's AMX tiles, where the host CPU has them.
@@ -54,6 +55,11 @@ else
   stage b_kernel 120 "$PY" scripts/gpu_kernel_check.py
 fi
 stage b_lowering 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_lowering.py
+if [ "$DRY" = 1 ]; then
+  stage b_grouped 120 "$PY" scripts/gpu_grouped_check.py --interpret --small --rows 1,16 --repeats 1
+else
+  stage b_grouped 90 "$PY" scripts/gpu_grouped_check.py
+fi
 
 if [ "$DRY" = 1 ]; then
   stage c_bench_kernels 120 "$PY" scripts/bench_kernels.py --small --repeats 2

@@ -190,3 +190,28 @@ def test_kernels_lower_over_fp8_pages_with_each_layers_scales_as_data(
 
     args = [q, stacked_cache, stacked_cache, windows, scales, scales, *metadata]
     assert export_text(all_layers, platform, args).count(f"custom_call @{call}(") == 1
+
+
+# (K, N, group, code bits, codes dtype, scale dtype) of the matrices quantized checkpoints hold: Llama-3-8B's gate|up and down
+# in W4A16 / W8A16 (group 128), Qwen3-8B's qkv in FP8 with 128 x 128 blocks, SmolLM2-135M's Q4_1 blocks (group 32).
+GROUPED_MATRICES = {
+    "llama3-8b-gate_up-w4a16": (4096, 28672, 128, 4, jnp.uint8, jnp.float16),
+    "llama3-8b-down-w8a16": (14336, 4096, 128, 8, jnp.int8, jnp.float32),
+    "qwen3-8b-qkv-fp8-blocks": (4096, 6144, 128, 8, jnp.float8_e4m3fn, jnp.float32),
+    "smollm2-135m-q4_1": (576, 1536, 32, 4, jnp.uint8, jnp.float16),
+}
+
+
+@pytest.mark.parametrize("rows", [8, 256])
+@pytest.mark.parametrize("matrix", list(GROUPED_MATRICES))
+def test_the_gpu_grouped_kernel_lowers_to_triton_for_cuda(matrix, rows):
+    from jpaged.pallas import gpu_grouped_matmul
+
+    k, n, group, bits, codes, scales = GROUPED_MATRICES[matrix]
+    args = [
+        jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((k * bits // 8, n), codes),
+        *[jax.ShapeDtypeStruct((k // group, n), scales)] * 2,
+    ]
+    fn = functools.partial(gpu_grouped_matmul.matmul, bits=bits)
+    assert export_text(fn, "cuda", args).count(f"custom_call @{TRITON_CALL}(") == 1

@@ -26,6 +26,7 @@ from jpaged.models.grouped import GroupedMatrix
 from jpaged.models.loader import load_model
 from jpaged.models.params import dequantized
 from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts
+from jpaged.runner.gpu_grouped_layout import KernelGroupedMatrix, KernelGroupedProducts
 from jpaged.runner.weight_layout import GroupedPanels
 
 pytest.importorskip("llmcompressor")
@@ -209,6 +210,19 @@ def test_the_kernels_give_the_logits_of_dequantise_then_dot(form, checkpoint):
         ]
     else:
         runs = [PagedRun(loaded, 2, layout=layout) for layout in ("auto", "stacked")]
+    for starts, ends in (([0, 0], [5, 28]), ([5, 28], [7, 30])):
+        ours, reference = (run.step(prompts, starts, ends) for run in runs)
+        for got, expected in zip(ours, reference, strict=True):
+            assert relative_error(got, expected) < 1e-3
+
+
+@pytest.mark.parametrize("form", ["W4A16", "W8A16", "fp8_blocks"])
+def test_the_gpu_kernel_gives_the_logits_of_dequantise_then_dot(form, checkpoint):
+    """In Pallas' interpret mode: the kernel takes every layer matrix (4-bit, 8-bit and float8 codes)."""
+    loaded = load_model(str(checkpoint(form)[0]), progress=False, keep_blocks=True)
+    prompts = _prompts(loaded.config.vocab_size)
+    runs = [PagedRun(loaded, 2, products=KernelGroupedProducts(interpret=True)), PagedRun(loaded, 2)]
+    assert isinstance(runs[0].params["layers"]["mlp"]["gate_up"], KernelGroupedMatrix)
     for starts, ends in (([0, 0], [5, 28]), ([5, 28], [7, 30])):
         ours, reference = (run.step(prompts, starts, ends) for run in runs)
         for got, expected in zip(ours, reference, strict=True):

@@ -26,6 +26,7 @@ from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize
 from jpaged.pallas.cpu import grouped_matmul, int8_matmul
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul
+from jpaged.runner.gpu_grouped_layout import KERNEL_GROUPED
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +173,10 @@ def choose_products(
     """The products for these params (arrays or ShapeDtypeStructs) of a model whose MLP takes `activation`
     (ModelConfig.hidden_activation): `auto` takes the CPU kernel's panels where the backend is the CPU and the
     kernel builds and takes the dtype, else the stacks; `stacked` and `panels` force one (tests and benchmarks
-    compare them). With `quantization` (EngineConfig's int8 or fp8), the layer matrices are held quantized
-    (models.quantized), multiplied by XLA's native int8/fp8 dots, or on the CPU (int8) by the int8 kernel. Group-quantized matrices in the params go to
-    the grouped kernel with the panels, else are dequantised where used (GroupedProducts)."""
+    compare them). With `quantization` (EngineConfig's int8 or fp8, or a checkpoint's own W8A8 matrices), the layer
+    matrices are held quantized (models.quantized), multiplied by XLA's native int8/fp8 dots, or on the CPU (int8) by
+    the int8 kernel. Group-quantized matrices go to the grouped kernel with the CPU's panels, to the Pallas kernel
+    on a GPU (gpu_grouped_layout.py), else are dequantised where used (GroupedProducts)."""
     on_cpu = jax.default_backend() == "cpu"
     matrices = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, WholeLeaf))
     quantization = _checkpoint_scheme(matrices) or quantization
@@ -196,7 +198,9 @@ def choose_products(
     if layout == "panels":
         return PanelProducts.for_params(params, activation)
     if layout == "stacked":
-        return GROUPED if grouped else STACKED
+        if grouped:
+            return KERNEL_GROUPED if jax.default_backend() == "gpu" else GROUPED
+        return STACKED
     raise ValueError(f"layout must be 'auto', 'stacked' or 'panels', got {layout!r}")
 
 
