@@ -32,9 +32,7 @@ def reader(quantization: dict) -> FormatReader:
         raise ValueError(
             f"quantization_config.sparsity_config format {sparsity['format']!r} (sparse compression) is not supported"
         )
-    groups = list((quantization.get("config_groups") or {}).values())
-    if not groups:
-        raise ValueError("quantization_config.config_groups is empty: no quantization scheme to read")
+    groups = list((quantization.get("config_groups") or {}).values())  # none where only the KV cache is
     default_format = quantization.get("format")
 
     def matrix_of(module: str, get: GetTensor, names: Collection[str]) -> Matrix | None:

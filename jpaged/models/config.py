@@ -51,6 +51,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim's (Gemma)
     attn_logit_softcap: float | None = None  # cap * tanh(score / cap) on attention scores (Gemma 2)
     final_logit_softcap: float | None = None  # and on the final logits
+    # Per-layer scales of K and V for float8 pages, read from the checkpoint (compressed-tensors' kv_cache_scheme)
+    kv_cache_scales: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -148,6 +150,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rotary_dim=rotary_dim if rotary_dim < head_dim else None,
             rope_scaling=_freeze({**scaling, "rope_type": rope_type}) if scaling else None,
+            kv_cache_scales=bool((hf.get("quantization_config") or {}).get("kv_cache_scheme")),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -149,6 +149,8 @@ class Attention(nnx.Module):
         self.q_norm = _norm(c, c.head_dim, dtype, HEAD_DIM) if c.qk_norm else None
         self.k_norm = _norm(c, c.head_dim, dtype, HEAD_DIM) if c.qk_norm else None
         self.o = _weight((c.num_heads * c.head_dim, c.hidden_size), dtype, (HEADS, EMBED))
+        # The checkpoint's scales of K and V (in that order) for float8 pages: stored divided by them.
+        self.kv_scales = _weight((2,), dtype, (None,), fill=1.0) if c.kv_cache_scales else None
 
     def __call__(
         self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, step: StepContext
@@ -167,6 +169,10 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = step.rotation(layer)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        scales = {}
+        if self.kv_scales is not None and is_float8_pool(k_cache.dtype):
+            k_scale, v_scale = self.kv_scales[...].astype(jnp.float32)
+            k, v, scales = k / k_scale, v / v_scale, dict(k_scale=k_scale, v_scale=v_scale)
         k_cache = k_cache.at[layer, step.write_block, step.write_offset].set(as_stored(k, k_cache.dtype))
         v_cache = v_cache.at[layer, step.write_block, step.write_offset].set(as_stored(v, v_cache.dtype))
         attn = step.attention(
@@ -181,6 +187,7 @@ class Attention(nnx.Module):
             sm_scale=(c.query_pre_attn_scalar or c.head_dim) ** -0.5,
             sliding_window=step.window(layer),
             logits_soft_cap=c.attn_logit_softcap,
+            **scales,
         )
         out = step.matmul("o", self.o, attn.reshape(num_tokens, q_size).astype(x.dtype), layer)
         return out, k_cache, v_cache
@@ -347,10 +354,15 @@ def forward(
     return model(kv_cache, batch, attention=attention, products=products)
 
 
+def is_float8_pool(dtype) -> bool:
+    """Whether a pool of this dtype holds e4m3 (as itself, or as its bytes for the C++ attention)."""
+    return jnp.dtype(dtype) in (jnp.float8_e4m3fn, jnp.uint8)
+
+
 def as_stored(x: jax.Array, dtype) -> jax.Array:
     """x as the pool stores it: its dtype, or its raw words where the pool keeps a 16-bit float as uint16 or e4m3 as
     uint8 (see KVCache); e4m3 saturated at its largest finite value (e4m3fn has no infinity: past it is NaN)."""
-    if jnp.dtype(dtype) in (jnp.float8_e4m3fn, jnp.uint8):
+    if is_float8_pool(dtype):
         limit = float(jnp.finfo(jnp.float8_e4m3fn).max)
         e4m3 = jnp.clip(x.astype(jnp.float32), -limit, limit).astype(jnp.float8_e4m3fn)
         return (

@@ -46,6 +46,8 @@ def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress
 
     def read(recipe: LeafRecipe, layer: int | None) -> np.ndarray | WholeLeaf:
         parts = [get(name.format(i=layer)) for name in recipe.names]
+        scalar = lambda part: isinstance(part, np.ndarray) and part.ndim == 0  # noqa: E731 (a per-layer scale)
+        parts = [part.reshape(1) if scalar(part) else part for part in parts]
         parts = [part.T for part in parts] if recipe.transposed else parts
         if any(isinstance(part, WholeLeaf) for part in parts):
             joined = _joined(parts)

@@ -66,6 +66,8 @@ def llama_checkpoint(config: ModelConfig, fused_qkv: str | None = None, fused_ga
     if config.qk_norm:
         recipes["layers/attn/q_norm/weight"] = LeafRecipe((ATTN + "q_norm.weight",))
         recipes["layers/attn/k_norm/weight"] = LeafRecipe((ATTN + "k_norm.weight",))
+    if config.kv_cache_scales:
+        recipes["layers/attn/kv_scales"] = LeafRecipe((ATTN + "k_scale", ATTN + "v_scale"))
     if not config.tie_word_embeddings:
         recipes["lm_head"] = LeafRecipe(("lm_head.weight",), transposed=True, per_layer=False)
     return recipes
