@@ -69,7 +69,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, (k, n, group, bits, codes) in MATRICES.items():
         if args.small:
-            k, n = max(k // 8, group), max(n // 16, 64)
+            k, n = max(k // 8 // group * group, group), max(n // 16, 64)
         matrix = _matrix(k, n, group, bits, codes, rng)
         packed = gpu_grouped_matmul.pack(matrix.codes, bits=bits, group=group)
         dense = dequantize(matrix, jnp.bfloat16)
