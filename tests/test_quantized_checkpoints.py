@@ -290,3 +290,30 @@ def test_a_quantization_config_jpaged_cannot_read_is_a_value_error_naming_its_fi
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load_model(str(path), progress=False, keep_blocks=True)
+
+
+@pytest.mark.parametrize("form", ["W4A16", "W8A8"])
+def test_convert_writes_the_matrices_kept_and_the_orbax_checkpoint_restores_them_as_they_were(
+    form, checkpoint, tmp_path
+):
+    from jpaged.entrypoints.cli import main
+
+    source = str(checkpoint(form)[0])
+    assert main(["convert", source, str(tmp_path / "kept")]) == 0
+    assert main(["convert", source, str(tmp_path / "float"), "--dequantize"]) == 0
+    loaded = load_model(source, progress=False, keep_blocks=True)
+    restored = load_model(str(tmp_path / "kept"), progress=False, keep_blocks=True)
+    is_matrix = lambda x: isinstance(x, GroupedMatrix | QuantizedMatrix)  # noqa: E731
+    pairs = zip(
+        jax.tree_util.tree_leaves(loaded.params, is_leaf=is_matrix),
+        jax.tree_util.tree_leaves(restored.params, is_leaf=is_matrix),
+        strict=True,
+    )
+    for ours, theirs in pairs:
+        assert type(ours) is type(theirs)
+        assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, ours, theirs))
+    dense = load_model(str(tmp_path / "float"), progress=False, keep_blocks=True).params["layers"]["mlp"][
+        "down"
+    ]
+    assert isinstance(dense, np.ndarray)
+    assert relative_error(dense, dequantized(loaded.params["layers"]["mlp"]["down"])) < 1e-6

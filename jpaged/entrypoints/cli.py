@@ -98,7 +98,7 @@ def _convert(args: argparse.Namespace) -> int:
     from jpaged.models.checkpoint import save_checkpoint
     from jpaged.models.loader import load_model
 
-    source = load_model(args.source)
+    source = load_model(args.source, keep_blocks=not args.dequantize)
     save_checkpoint(args.destination, source.config, source.params, source.tokenizer)
     restored = load_model(args.destination)
     print(f"wrote orbax checkpoint {args.destination}")
@@ -178,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="write an orbax checkpoint of a model for fast loading")
     convert.add_argument("source")
     convert.add_argument("destination")
+    convert.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="write a quantized checkpoint's matrices as float (they are kept quantized by default)",
+    )
     convert.set_defaults(run=_convert)
     return parser
 

@@ -9,23 +9,31 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jpaged.models.config import ModelConfig
+from jpaged.models.held_matrices import as_arrays, from_arrays
 from jpaged.models.lazy_weights import LazyWeight
 from jpaged.models.llama import as_params
+from jpaged.models.params import dequantized
 
 ORBAX_MARKER = "jpaged_model.json"  # marks a directory written by save_checkpoint
+_FORMS = "quantized_matrices.json"  # the quantized matrices' forms (held_matrices.py), where there are any
 
 
 def save_checkpoint(directory: Path, config: ModelConfig, weights, tokenizer) -> None:
     """Write `directory/params` (orbax; a CausalLM, its nnx.State or its state dict), the model config and the
-    tokenizer files."""
+    tokenizer files. Quantized matrices are written as their arrays, with the forms that rebuild them."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
+    arrays, forms = as_arrays(flatten_dict(as_params(weights), sep="/"), sep="/")
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory / "params", as_params(weights), force=True)
+        checkpointer.save(directory / "params", unflatten_dict(arrays, sep="/"), force=True)
+    (directory / _FORMS).unlink(missing_ok=True)
+    if forms:
+        (directory / _FORMS).write_text(json.dumps(forms, indent=2))
     (directory / ORBAX_MARKER).write_text(json.dumps(config.to_json_dict(), indent=2))
     tokenizer.save_pretrained(str(directory))
 
@@ -34,9 +42,14 @@ def _read_config(directory: Path) -> ModelConfig:
     return ModelConfig.from_json_dict(json.loads((directory / ORBAX_MARKER).read_text()))
 
 
-def restore_checkpoint(directory: Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
-    """Config and params (numpy, `dtype`) from a directory written by `save_checkpoint`. They are restored into
-    host arrays: left to itself orbax would place each on the device it was saved from."""
+def holds_quantized_matrices(directory: Path) -> bool:
+    return (Path(directory) / _FORMS).exists()
+
+
+def restore_checkpoint(directory: Path, dtype=np.float32, *, keep: bool = True) -> tuple[ModelConfig, dict]:
+    """Config and params (numpy, `dtype`) from a directory written by `save_checkpoint`, quantized matrices kept
+    (or, without `keep`, dequantised). They are restored into host arrays: left to itself orbax would place each on
+    the device it was saved from."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).resolve()
@@ -45,7 +58,11 @@ def restore_checkpoint(directory: Path, dtype=np.float32) -> tuple[ModelConfig, 
         saved = checkpointer.metadata(directory / "params").item_metadata
         host = jax.tree_util.tree_map(lambda leaf: np.empty(leaf.shape, leaf.dtype), saved)
         restored = checkpointer.restore(directory / "params", host)
-    return config, jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=dtype), restored)
+    forms = json.loads((directory / _FORMS).read_text()) if holds_quantized_matrices(directory) else {}
+    flat = from_arrays(flatten_dict(restored, sep="/"), forms, dtype, sep="/")
+    if not keep:
+        flat = {path: np.asarray(dequantized(leaf), dtype) for path, leaf in flat.items()}
+    return config, unflatten_dict(flat, sep="/")
 
 
 @dataclass(frozen=True, eq=False)

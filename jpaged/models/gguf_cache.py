@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from jpaged.models.config import ModelConfig
-from jpaged.models.grouped import GROUPED_FIELDS, GroupedMatrix, is_grouped
+from jpaged.models.held_matrices import as_arrays, from_arrays
 from jpaged.models.lazy_weights import StoredWeight
 
 logger = logging.getLogger(__name__)
@@ -71,16 +71,7 @@ def _regrouped(file: Path, dtype) -> dict:
     """A stored conversion's flat params: float ones cast to `dtype`, GroupedMatrix ones put back together."""
     with safe_open(file, framework="numpy") as stored:
         forms = {name: json.loads(form) for name, form in (stored.metadata() or {}).items()}
-    flat: dict = {}
-    for name, array in load_file(file).items():
-        path, _, field = name.partition("#")
-        if field:
-            flat.setdefault(path, {})[field] = array
-        else:
-            flat[path] = array.astype(dtype, copy=False)
-    for path, form in forms.items():
-        flat[path] = GroupedMatrix(**flat[path], **form, dtype=np.dtype(dtype))
-    return flat
+    return from_arrays(load_file(file), forms, dtype, sep="#")
 
 
 def store_converted(
@@ -89,15 +80,9 @@ def store_converted(
     """Save a conversion; written to a temporary directory and renamed, so a reader never sees half of one."""
     directory = converted_dir(gguf_path, blocks)
     partial = directory.with_name(directory.name + f".partial-{os.getpid()}")
-    flat, forms = {}, {}
-    for name, value in flatten_dict(params, sep="/").items():
-        if is_grouped(value):
-            forms[name] = json.dumps({"bits": value.bits, "transposed": value.transposed})
-            flat.update(
-                {f"{name}#{field}": np.ascontiguousarray(getattr(value, field)) for field in GROUPED_FIELDS}
-            )
-        else:
-            flat[name] = np.ascontiguousarray(value, np.float32)
+    arrays, forms = as_arrays(flatten_dict(params, sep="/"), sep="#")
+    flat = {name: np.ascontiguousarray(a, None if "#" in name else np.float32) for name, a in arrays.items()}
+    forms = {name: json.dumps(form) for name, form in forms.items()}
     try:
         partial.mkdir(parents=True, exist_ok=True)
         save_file(flat, partial / _PARAMS_FILE, metadata=forms or None)

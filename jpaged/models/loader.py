@@ -17,7 +17,12 @@ import numpy as np
 from flax.traverse_util import unflatten_dict
 from transformers import PreTrainedTokenizerBase
 
-from jpaged.models.checkpoint import ORBAX_MARKER, lazy_checkpoint, restore_checkpoint
+from jpaged.models.checkpoint import (
+    ORBAX_MARKER,
+    holds_quantized_matrices,
+    lazy_checkpoint,
+    restore_checkpoint,
+)
 from jpaged.models.checkpoint_quantization import quantized_reader
 from jpaged.models.config import ModelConfig
 from jpaged.models.default_model import default_model_path
@@ -112,7 +117,10 @@ def load_model(
     start = time.perf_counter()
     source = resolve_model(model)
     if source.kind == "orbax":
-        config, params = (lazy_checkpoint if lazy else restore_checkpoint)(source.path, dtype)
+        if holds_quantized_matrices(source.path):  # read whole; tensor parallelism dequantises them
+            config, params = restore_checkpoint(source.path, dtype, keep=keep_blocks and not lazy)
+        else:
+            config, params = (lazy_checkpoint if lazy else restore_checkpoint)(source.path, dtype)
         tokenizer = load_tokenizer(source.path)
     elif source.kind == "hf":
         config = read_hf_config(source.path)
