@@ -75,6 +75,22 @@ def grouped_rows(
 GROUPED_FIELDS = ("codes", "scale", "bias")  # the arrays of a GroupedMatrix
 
 
+@dataclass(frozen=True)
+class LaidOutGroups(WholeLeaf):
+    """A GroupedMatrix (a stack of them) laid out for a kernel (the CPU's panels, the GPU's packed codes): its
+    codes, scale and bias rearranged, the code bits and the float dtype it stands for. Each layout registers its
+    subclass as a pytree."""
+
+    codes: jax.Array
+    scale: jax.Array
+    bias: jax.Array
+    bits: int = field(metadata=_STATIC)
+    dtype: np.dtype = field(metadata=_STATIC)
+
+    def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.codes, self.scale, self.bias
+
+
 def is_grouped(leaf) -> bool:
     return isinstance(leaf, GroupedMatrix)
 

@@ -5,27 +5,20 @@ widened in registers) instead of dequantised where used; what the kernel cannot 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jpaged.models.grouped import GroupedMatrix, GroupedProducts, is_grouped
-from jpaged.models.products import LAYER_MATRICES, WholeLeaf
+from jpaged.models.grouped import GroupedMatrix, GroupedProducts, LaidOutGroups, is_grouped
+from jpaged.models.products import LAYER_MATRICES
 from jpaged.pallas import gpu_grouped_matmul
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class KernelGroupedMatrix(WholeLeaf):
+class KernelGroupedMatrix(LaidOutGroups):
     """A GroupedMatrix (a stack of them) with its codes `pack`ed for the GPU kernel."""
-
-    codes: jax.Array
-    scale: jax.Array
-    bias: jax.Array
-    bits: int = field(metadata=dict(static=True))
-    dtype: np.dtype = field(metadata=dict(static=True))  # of the float matrix it stands for
 
     @classmethod
     def of(cls, matrix: GroupedMatrix) -> KernelGroupedMatrix:
@@ -68,9 +61,7 @@ class KernelGroupedProducts(GroupedProducts):
     def _product(self, weight: KernelGroupedMatrix, x: jax.Array, out_dtype=None) -> jax.Array:
         return gpu_grouped_matmul.matmul(
             x,
-            weight.codes,
-            weight.scale,
-            weight.bias,
+            *weight.arrays(),
             bits=weight.bits,
             out_dtype=out_dtype,
             interpret=self.interpret,

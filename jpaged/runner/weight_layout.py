@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jpaged.config import QUANTIZATIONS
-from jpaged.models.grouped import GROUPED, GroupedMatrix, dequantize, embedding_rows, is_grouped
+from jpaged.models.grouped import (
+    GROUPED,
+    GroupedMatrix,
+    LaidOutGroups,
+    dequantize,
+    embedding_rows,
+    is_grouped,
+)
 from jpaged.models.llama import params_dtype
 from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, WholeLeaf, act_and_mul
 from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize
@@ -35,14 +42,8 @@ CPU_AUTO_DTYPE_ENV = "JPAGED_CPU_AUTO_DTYPE"
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class GroupedPanels(WholeLeaf):
+class GroupedPanels(LaidOutGroups):
     """A stack of GroupedMatrix as the grouped kernel reads it (grouped_matmul.pack's panels)."""
-
-    codes: jax.Array
-    scale: jax.Array
-    bias: jax.Array
-    bits: int = field(metadata=dict(static=True))
-    dtype: np.dtype = field(metadata=dict(static=True))  # of the float matrix it stands for
 
     @classmethod
     def of(cls, matrix: GroupedMatrix, gated: bool = False) -> GroupedPanels:
@@ -52,13 +53,10 @@ class GroupedPanels(WholeLeaf):
         panels = grouped_matmul.pack(matrix.codes, matrix.scale, matrix.bias, bits=matrix.bits, gated=gated)
         return cls(*panels, matrix.bits, matrix.dtype)
 
-    def panels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return self.codes, self.scale, self.bias
-
     def columns(self, ids: jax.Array) -> jax.Array:
         """w[:, ids].T [len(ids), K] in the dtype it stands for (a tied embedding's rows from the LM head's),
         dequantised as every GroupedMatrix is."""
-        codes, scale, bias = grouped_matmul.columns(self.panels(), ids, bits=self.bits)
+        codes, scale, bias = grouped_matmul.columns(self.arrays(), ids, bits=self.bits)
         rows = GroupedMatrix(codes.T, scale.T, bias.T, transposed=True, dtype=self.dtype)
         return dequantize(rows)
 
@@ -112,12 +110,12 @@ class PanelProducts:
 
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
         if isinstance(weight, GroupedPanels):
-            return grouped_matmul.matmul(x, weight.panels(), dict(self.widths)[name], layer=layer, rows=rows)
+            return grouped_matmul.matmul(x, weight.arrays(), dict(self.widths)[name], layer=layer, rows=rows)
         return cpu_matmul.matmul(x, weight, dict(self.widths)[name], layer=layer, rows=rows)
 
     def gated(self, weight, x, layer, rows, sizes, activation) -> jax.Array:
         if self.gated_form and isinstance(weight, GroupedPanels):
-            return grouped_matmul.gated_matmul(x, weight.panels(), sizes[0], layer=layer, rows=rows)
+            return grouped_matmul.gated_matmul(x, weight.arrays(), sizes[0], layer=layer, rows=rows)
         if self.gated_form:
             return cpu_matmul.gated_matmul(x, weight, sizes[0], layer=layer, rows=rows)
         return act_and_mul(
@@ -127,7 +125,7 @@ class PanelProducts:
     def lm_head(self, weight, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         if isinstance(weight, GroupedPanels):
             return grouped_matmul.matmul(
-                h, weight.panels(), self.vocab_size, rows=rows, out_dtype=jnp.float32
+                h, weight.arrays(), self.vocab_size, rows=rows, out_dtype=jnp.float32
             )
         return cpu_matmul.matmul(h, weight, self.vocab_size, rows=rows, out_dtype=jnp.float32)
 
