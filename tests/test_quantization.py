@@ -138,3 +138,24 @@ def test_new_weights_are_quantized_as_they_arrive(tiny_llama):
 def test_a_quantization_jpaged_cannot_run_is_a_value_error_naming_it(fields, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**fields)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize(("scheme", "operand"), [("fp8", "f8E4M3FN"), ("int8", "i8")])
+def test_the_accelerators_dot_takes_the_quantized_operands_themselves(scheme, operand, platform):
+    """Exported for each accelerator, the W8A8 product is one dot of e4m3 (or int8) operands summing in float32 (or
+    int32): XLA hands it to the GPU's FP8/int8 GEMMs (cuBLASLt on Hopper) and the TPU's native dots, never a dot of
+    widened weights. (What XLA's compiler does with it after export needs the device.)"""
+    from lowering import export_text
+
+    values = jax.ShapeDtypeStruct((4096, 1024), {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}[scheme])
+    args = [
+        jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16),
+        values,
+        jax.ShapeDtypeStruct((1, 1024), jnp.float32),
+    ]
+    text = export_text(lambda x, v, s: quantized_matmul(x, QuantizedMatrix(v, s), scheme), platform, args)
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    sums = {"fp8": "f32", "int8": "i32"}[scheme]
+    assert len(dots) == 1
+    assert f"(tensor<16x4096x{operand}>, tensor<4096x1024x{operand}>) -> tensor<16x1024x{sums}>" in dots[0]
