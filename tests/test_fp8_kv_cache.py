@@ -1,8 +1,10 @@
 """`--kv-cache-dtype fp8`: the KV pool in float8 e4m3 holds twice the tokens of a bfloat16 one in the same memory,
 the attention the engine picks reads it as the XLA reference does, generation stays the model's, preemption by swap
-keeps every output, nothing compiles after warm-up, and `jpaged plan` counts one byte an element."""
+keeps every output, nothing compiles after warm-up, and `jpaged plan` counts one byte an element (and the weights as held)."""
 
 from __future__ import annotations
+
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -71,3 +73,17 @@ def test_plan_counts_one_byte_an_element(capsys):
 def test_an_unknown_kv_cache_dtype_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
+
+
+def test_plan_counts_the_weights_as_the_engine_holds_them(capsys):
+    """The embedded GGUF's blocks as stored (98 MB), not as bfloat16 (269 MB): the rest is KV cache."""
+    kept = plan(capsys, "chat_en.jsonl")
+    dense = plan(capsys, "chat_en.jsonl", "--quantization", "none")
+    int8 = plan(capsys, "chat_en.jsonl", "--quantization", "int8")
+    assert "MiB uint8" in kept and "MiB uint8" not in dense and "MiB int8" in int8
+    weights = {
+        name: int(re.search(r"- ([\d,]+) bytes of weights", out).group(1).replace(",", ""))
+        for name, out in (("kept", kept), ("dense", dense), ("int8", int8))
+    }
+    assert weights["kept"] < 0.4 * weights["dense"] and weights["int8"] < 0.7 * weights["dense"]
+    assert figure(kept, "sequences that fit at p95") > figure(dense, "sequences that fit at p95")

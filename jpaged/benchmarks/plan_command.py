@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jpaged.config import KV_CACHE_DTYPES
+import jax.numpy as jnp
+
+from jpaged.config import KV_CACHE_DTYPES, NO_QUANTIZATION, QUANTIZATIONS
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -27,6 +29,12 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="fp8 (= fp8_e4m3): the KV cache in float8, one byte an element",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=(*QUANTIZATIONS, NO_QUANTIZATION),
+        default=None,
+        help="as `jpaged serve` takes it: a quantized checkpoint's matrices are counted as held, kept unless none",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
@@ -34,6 +42,19 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--concurrency", type=int, default=16, help="for the preemption risk")
     parser.add_argument("--chat-template", default=None)
+
+
+def _holds_quantized_matrices(model: str | None) -> bool:
+    """Whether the model's checkpoint ships quantized matrices the engine keeps (a GGUF, an HF checkpoint with a
+    quantization_config, a quantized orbax checkpoint)."""
+    from jpaged.models.checkpoint import holds_quantized_matrices
+    from jpaged.models.loader import resolve_model
+    from jpaged.models.weights import read_quantization_config
+
+    source = resolve_model(model)
+    if source.kind == "hf":
+        return read_quantization_config(source.path) is not None
+    return source.kind == "gguf" or holds_quantized_matrices(source.path)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -44,8 +65,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from jpaged.core.prefix_doctor import diagnose
     from jpaged.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
     from jpaged.models.loader import load_model
-    from jpaged.models.params import param_stats
     from jpaged.runner.tensor_parallel import check_tensor_parallel_size, tensor_parallel_config
+    from jpaged.runner.weight_layout import held_weight_bytes
 
     if (args.kv_cache_memory is None) == (args.device_memory is None):
         raise ValueError(
@@ -53,13 +74,17 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     if args.concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {args.concurrency}")
-    model = load_model(args.model, progress=False, lazy=True)  # the weights stay on disk
-    mc, tp, dtype_bytes = model.config, args.tensor_parallel_size, DTYPE_BYTES[args.dtype]
+    tp = args.tensor_parallel_size
+    keep = args.quantization is None and tp == 1 and _holds_quantized_matrices(args.model)
+    # The weights stay on disk, but for a quantized checkpoint served as it is (its matrices read to count them).
+    model = load_model(args.model, jnp.dtype(args.dtype), progress=False, lazy=not keep, keep_blocks=keep)
+    mc, dtype_bytes = model.config, DTYPE_BYTES[args.dtype]
     check_tensor_parallel_size(tp, mc)
     kv_heads = tensor_parallel_config(tp, mc).num_kv_heads // tp
     kv_bytes = 1 if args.kv_cache_dtype != "auto" else dtype_bytes
     bytes_per_token = kv_bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, kv_bytes)
-    weight_bytes = param_stats(model.params)[0] * dtype_bytes // tp
+    held = held_weight_bytes(model.params, mc.hidden_activation, args.quantization)
+    weight_bytes = sum(held.values()) // tp
     num_blocks = determine_num_blocks(
         block_size=args.block_size,
         bytes_per_token=bytes_per_token,
@@ -86,8 +111,9 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     else:
         budget = f"{args.kv_cache_memory:,} bytes"
+    held_as = ", ".join(f"{n / 2**20:.1f} MiB {dtype}" for dtype, n in sorted(held.items()))
     print(
-        f"model {model.source.path} ({mc.architecture}), weights in {args.dtype}, KV cache in "
+        f"model {model.source.path} ({mc.architecture}), weights held as {held_as}, KV cache in "
         f"{args.dtype if args.kv_cache_dtype == 'auto' else 'float8 e4m3'}, tensor_parallel_size {tp}"
     )
     print(f"KV cache memory per device: {budget}; traffic {args.traffic}\n")
