@@ -18,8 +18,14 @@ from collections.abc import Collection
 
 import numpy as np
 
-from jpaged.models.grouped import grouped_rows
-from jpaged.models.packed_weights import FormatReader, Matrix, rows_with_zeros, unpack_words
+from jpaged.models.packed_weights import (
+    FormatReader,
+    Matrix,
+    block_scaled,
+    float8_rows,
+    rows_with_zeros,
+    unpack_words,
+)
 from jpaged.models.params import GetTensor
 from jpaged.models.quantized import QuantizedMatrix
 
@@ -107,16 +113,4 @@ def _float8(stored: np.ndarray, scale: np.ndarray, strategy: str, activations: d
     scale = _per_group(scale, out, inputs, strategy)
     if activations is not None and activations.get("type") == "float" and scale.shape[1] == 1:
         return QuantizedMatrix(stored, scale)
-    return grouped_rows(stored, scale, np.zeros_like(scale), 8, halves_if_exact=False)
-
-
-def block_scaled(stored: np.ndarray, block_scale: np.ndarray) -> Matrix:
-    """float8 [out, in] with a scale a block [ceil(out / bo), ceil(in / bi)] (DeepSeek's and Qwen's 128 x 128) as
-    a GroupedMatrix of float8 codes grouped by `bi` inputs, each block's scale repeated over its outputs."""
-    out, inputs = stored.shape
-    rows, columns = block_scale.shape
-    block_out, block_in = -(-out // rows), -(-inputs // columns)
-    if inputs % block_in:
-        raise ValueError(f"block scales of {block_in} inputs do not divide the {inputs} inputs of a matrix")
-    scale = np.repeat(np.asarray(block_scale, np.float32), block_out, axis=0)[:out]
-    return grouped_rows(stored, scale, np.zeros_like(scale), 8, halves_if_exact=False)
+    return float8_rows(stored, scale)

@@ -1,6 +1,6 @@
 """FP8 checkpoints as Qwen3-FP8 and DeepSeek-V3 publish them (`quant_method: fp8`, transformers'
 FineGrainedFP8Config): each matrix float8 e4m3 with `weight_scale_inv`, a scale a block of `weight_block_size`
-(128 x 128), kept as a GroupedMatrix of float8 codes (compressed_tensors.block_scaled); without block sizes, one
+(128 x 128), kept as a GroupedMatrix of float8 codes (packed_weights.block_scaled); without block sizes, one
 scale a matrix, a W8A8 QuantizedMatrix."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from jpaged.models.compressed_tensors import block_scaled
-from jpaged.models.packed_weights import FormatReader, Matrix
+from jpaged.models.packed_weights import FormatReader, Matrix, block_scaled
 from jpaged.models.params import GetTensor
 from jpaged.models.quantized import QuantizedMatrix
 

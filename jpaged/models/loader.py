@@ -31,7 +31,7 @@ from jpaged.models.gguf_metadata import gguf_model_config, gguf_tokenizer, read_
 from jpaged.models.grouped import is_grouped
 from jpaged.models.lazy_weights import FusedWeight
 from jpaged.models.params import hf_recipes, param_stats, params_from_hf_names
-from jpaged.models.products import WholeLeaf
+from jpaged.models.products import is_whole_leaf
 from jpaged.models.quantized import QuantizedMatrix
 from jpaged.models.weights import (
     gguf_reader,
@@ -177,7 +177,7 @@ def _standing_for(params: dict, dtype) -> dict:
             return leaf
         return leaf.standing_for(dtype) if is_grouped(leaf) else leaf.astype(dtype, copy=False)
 
-    return jax.tree_util.tree_map(cast, params, is_leaf=lambda x: isinstance(x, WholeLeaf))
+    return jax.tree_util.tree_map(cast, params, is_leaf=is_whole_leaf)
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

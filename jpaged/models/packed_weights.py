@@ -1,5 +1,6 @@
 """What the readers of quantized HF checkpoints share (models/compressed_tensors.py, fp8_checkpoint.py, awq.py,
-gptq.py; models/checkpoint_quantization.py picks one): the reader's protocol, and codes packed in int32 words."""
+gptq.py; models/checkpoint_quantization.py picks one): the reader's protocol, codes packed in int32 words, and
+float8 matrices with a scale a block."""
 
 from __future__ import annotations
 
@@ -41,3 +42,20 @@ def rows_with_zeros(
     -scale zero)."""
     scale = np.asarray(scale, np.float32)
     return grouped_rows(codes, scale, -scale * np.float32(zero), bits)
+
+
+def float8_rows(stored: np.ndarray, scale: np.ndarray) -> GroupedMatrix:
+    """float8 [out, in] times a scale [out, in / G] (no bias) as a GroupedMatrix of float8 codes."""
+    return grouped_rows(stored, scale, np.zeros_like(scale), 8, halves_if_exact=False)
+
+
+def block_scaled(stored: np.ndarray, block_scale: np.ndarray) -> Matrix:
+    """float8 [out, in] with a scale a block [ceil(out / bo), ceil(in / bi)] (DeepSeek's and Qwen's 128 x 128) as
+    a GroupedMatrix of float8 codes grouped by `bi` inputs, each block's scale repeated over its outputs."""
+    out, inputs = stored.shape
+    rows, columns = block_scale.shape
+    block_out, block_in = -(-out // rows), -(-inputs // columns)
+    if inputs % block_in:
+        raise ValueError(f"block scales of {block_in} inputs do not divide the {inputs} inputs of a matrix")
+    scale = np.repeat(np.asarray(block_scale, np.float32), block_out, axis=0)[:out]
+    return float8_rows(stored, scale)

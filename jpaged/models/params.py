@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from jpaged.models.config import ModelConfig
 from jpaged.models.grouped import host_dequantized, is_grouped, joined_columns
-from jpaged.models.products import WholeLeaf
+from jpaged.models.products import WholeLeaf, is_whole_leaf
 from jpaged.models.quantized import QuantizedMatrix
 
 GetTensor = Callable[[str], np.ndarray]  # transformers name -> array in transformers' [out, in] layout
@@ -95,7 +95,7 @@ def dequantized(matrix) -> np.ndarray:
 
 def param_stats(params: dict) -> tuple[int, int]:
     """(number of parameters, bytes) of a params pytree; a quantized matrix counts a parameter a code."""
-    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, WholeLeaf))
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_whole_leaf)
     count = sum(int(np.prod(np.shape(x))) for x in leaves)
     arrays = jax.tree_util.tree_leaves(params)
     return count, sum(int(x.size) * x.dtype.itemsize for x in arrays)
@@ -147,8 +147,7 @@ def check_same_leaves(expected: dict, given: dict, given_as: str = "the new weig
     shape), so every compiled step takes them; raises ValueError naming the first leaf that differs."""
     flatten = jax.tree_util.tree_flatten_with_path
     ours = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(expected)[0]}
-    is_matrix = lambda x: isinstance(x, WholeLeaf)  # noqa: E731
-    theirs = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(given, is_leaf=is_matrix)[0]}
+    theirs = {jax.tree_util.keystr(path): leaf for path, leaf in flatten(given, is_leaf=is_whole_leaf)[0]}
     for path, leaf in ours.items():
         if path not in theirs:
             raise ValueError(f"params{path} is missing from {given_as}")

@@ -36,6 +36,11 @@ class WholeLeaf:
         return self
 
 
+def is_whole_leaf(x) -> bool:
+    """Whether `x` is a WholeLeaf (for tree functions' `is_leaf`: a quantized matrix is one leaf, not its arrays)."""
+    return isinstance(x, WholeLeaf)
+
+
 class MatrixProducts(Protocol):
     """How the model multiplies by its weights, for one layout of them. `rows` is how many leading rows of x are
     live (the rest is padding, which a layout may skip and leave zero)."""

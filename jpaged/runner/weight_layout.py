@@ -28,7 +28,7 @@ from jpaged.models.grouped import (
     is_grouped,
 )
 from jpaged.models.llama import params_dtype
-from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, WholeLeaf, act_and_mul
+from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, act_and_mul, is_whole_leaf
 from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize
 from jpaged.pallas.cpu import grouped_matmul, int8_matmul
 from jpaged.pallas.cpu import library as cpu_kernels
@@ -176,7 +176,7 @@ def choose_products(
     the int8 kernel. Group-quantized matrices go to the grouped kernel with the CPU's panels, to the Pallas kernel
     on a GPU (gpu_grouped_layout.py), else are dequantised where used (GroupedProducts)."""
     on_cpu = jax.default_backend() == "cpu"
-    matrices = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, WholeLeaf))
+    matrices = jax.tree_util.tree_leaves(params, is_leaf=is_whole_leaf)
     quantization = _checkpoint_scheme(matrices) or quantization
     if quantization in QUANTIZATIONS:
         if (
