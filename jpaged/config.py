@@ -88,8 +88,6 @@ class EngineConfig:
         _one_of(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         if self.quantization is not None:
             _one_of(self, "quantization", (*QUANTIZATIONS, NO_QUANTIZATION))
-            if self.quantization in QUANTIZATIONS and self.tensor_parallel_size > 1:
-                raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet")
         if self.runner == "generate" and self.convert == "embed":
             raise ValueError("convert 'embed' makes a pooling model: it needs runner 'pooling' (or 'auto')")
         if self.runner == "pooling" and self.convert == "none":
@@ -103,9 +101,8 @@ class EngineConfig:
 
     @property
     def keeps_checkpoint_quantization(self) -> bool:
-        """Whether a quantized checkpoint's matrices are held as stored: unless --quantization asks otherwise, on one
-        device (tensor parallelism reads each device's part of float weights)."""
-        return self.quantization is None and self.tensor_parallel_size == 1
+        """Whether a quantized checkpoint's matrices are held as stored: unless --quantization asks otherwise."""
+        return self.quantization is None
 
     @property
     def is_pooling(self) -> bool:

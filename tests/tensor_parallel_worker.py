@@ -2,6 +2,12 @@
 before JAX starts): greedy generation at each tensor_parallel_size given, printed as one JSON line.
 
   python tests/tensor_parallel_worker.py MODEL_PATH|default TP [TP ...]              # one generate per size
+  python tests/tensor_parallel_worker.py --quantization Q MODEL_PATH TP [TP ...]     # Q: none (the default),
+                                              # int8, fp8, or kept (a quantized checkpoint's matrices as stored)
+
+With --quantization, one device multiplies by XLA's dots as the split devices do (the CPU kernels' sums are held to
+XLA's by their own tests; a W8A8 model's activation quantisation turns the last bit of a sum into a step), so what
+the sizes' runs differ by is the split alone.
   python tests/tensor_parallel_worker.py --engine-features MODEL_PATH TP [TP ...]   # prefix caching,
                                                               # preemption (both modes), n > 1, beam search
 """
@@ -19,19 +25,28 @@ from jpaged import LLM, SamplingParams
 from jpaged.models import checkpoint
 from jpaged.models.checkpoint import CheckpointedWeight
 from jpaged.models.loader import load_model
+from jpaged.models.products import MatrixProducts, is_whole_leaf
+from jpaged.runner import model_runner
+from jpaged.runner.weight_layout import tensor_parallel_products
 
 PROMPTS = [list(range(100, 120)), list(range(5, 40)), [7, 7, 7]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
 
 
-def per_device_bytes(array) -> list[int]:
-    return sorted(shard.data.nbytes for shard in array.addressable_shards)
+def held_bytes(weight) -> list:
+    """[bytes of the whole weight (all the arrays of a quantized one), each device's bytes of it (sorted)]."""
+    arrays = jax.tree_util.tree_leaves(weight)
+    per_device: dict = {}
+    for shard in (shard for array in arrays for shard in array.addressable_shards):
+        per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return [sum(array.nbytes for array in arrays), sorted(per_device.values())]
 
 
-def placed_as_laid_out(runner, model: str | None) -> bool:
-    """Each device's part of every weight, cut from the host arrays when the engine placed them, is that part of
-    the whole weight in the step's layout."""
-    whole = jax.device_get(runner.weights.layout(load_model(model, progress=False).params))
+def placed_as_laid_out(runner, model: str | None, keep_blocks: bool) -> bool:
+    """Each device's part of every weight, cut from the host arrays (and quantized there) when the engine placed
+    them, is that part of the whole weight in the step's layout."""
+    loaded = load_model(model, progress=False, keep_blocks=keep_blocks)
+    whole = jax.device_get(runner.weights.layout(loaded.params))
     placed = jax.tree_util.tree_leaves(runner.params)
     return all(
         np.array_equal(shard.data, expected[shard.index])
@@ -60,13 +75,21 @@ def count_orbax_reads() -> dict[str, int]:
 ORBAX_READS = count_orbax_reads()
 
 
-def run(model: str | None, tp: int) -> dict:
+def xla_products(params: dict, *, activation: str, quantization: str | None) -> MatrixProducts:
+    """What model_runner chooses on one device replaced with what the split devices multiply by."""
+    return tensor_parallel_products(params, None, 1, quantization)
+
+
+def run(model: str | None, tp: int, quantization: str = "none") -> dict:
     ORBAX_READS.update(dict.fromkeys(ORBAX_READS, 0))
+    quantization = None if quantization == "kept" else quantization
+    if quantization != "none":  # see the module's docstring
+        model_runner.choose_products = xla_products
     try:
         llm = LLM(
             model,
             tensor_parallel_size=tp,
-            quantization="none",  # a GGUF's blocks are kept on one device only: compare the dequantised forms
+            quantization=quantization,
             max_model_len=128,
             max_num_seqs=4,
             max_num_batched_tokens=32,
@@ -84,10 +107,13 @@ def run(model: str | None, tp: int) -> dict:
         "collectives": [[op, shape] for shape, op in re.findall(collectives, hlo)],
         "tokens": [o.token_ids for o in outputs],
         "logprobs": [[{str(k): v.logprob for k, v in step.items()} for step in o.logprobs] for o in outputs],
-        "qkv_bytes": [qkv.nbytes, per_device_bytes(qkv)],
-        "pool_bytes": [pool.nbytes, per_device_bytes(pool)],
+        "qkv_bytes": held_bytes(qkv),
+        "pool_bytes": held_bytes(pool),
         "orbax reads": dict(ORBAX_READS),
-        "placed as laid out": placed_as_laid_out(runner, model),
+        "placed as laid out": placed_as_laid_out(runner, model, keep_blocks=quantization is None),
+        "held": sorted(
+            {type(leaf).__name__ for leaf in jax.tree_util.tree_leaves(runner.params, is_leaf=is_whole_leaf)}
+        ),
     }
 
 
@@ -124,5 +150,8 @@ if __name__ == "__main__":
     if sys.argv[1] == "--engine-features":
         print(json.dumps({tp: engine_features(sys.argv[2], int(tp)) for tp in sys.argv[3:]}))
     else:
-        model = None if sys.argv[1] == "default" else sys.argv[1]
-        print(json.dumps({tp: run(model, int(tp)) for tp in sys.argv[2:]}))
+        args = sys.argv[1:]
+        quantization = args[1] if args[0] == "--quantization" else "none"
+        model, *sizes = args[2:] if args[0] == "--quantization" else args
+        model = None if model == "default" else model
+        print(json.dumps({tp: run(model, int(tp), quantization) for tp in sizes}))

@@ -128,16 +128,9 @@ def test_new_weights_are_quantized_as_they_arrive(tiny_llama):
     assert llm.metrics()["num_compilations"] == compiled
 
 
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [
-        (dict(quantization="int4"), "quantization must be one of"),
-        (dict(quantization="fp8", tensor_parallel_size=2), "quantization with tensor_parallel_size > 1"),
-    ],
-)
-def test_a_quantization_jpaged_cannot_run_is_a_value_error_naming_it(fields, message):
-    with pytest.raises(ValueError, match=message):
-        EngineConfig(**fields)
+def test_a_quantization_jpaged_cannot_run_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int4")
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

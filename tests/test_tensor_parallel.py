@@ -18,9 +18,10 @@ from jpaged.models.loader import load_model
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 
 
-def generate(model: str, *sizes: int, features: bool = False) -> dict:
+def generate(model: str, *sizes: int, features: bool = False, quantization: str = "none") -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    command = [sys.executable, str(WORKER), *["--engine-features"] * features, model, *map(str, sizes)]
+    options = ["--engine-features"] if features else ["--quantization", quantization]
+    command = [sys.executable, str(WORKER), *options, model, *map(str, sizes)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -81,6 +82,27 @@ def test_the_embedded_model_splits_its_nine_heads_three_ways_and_refuses_two():
     # logprobs (up to 7 in size, of logits up to ~20) differ by ~5e-5.
     assert_same_as_one_device(runs, 3, tolerance=1e-4)
     assert runs["2"] == {"error": "tensor_parallel_size (2) must divide the model's 9 attention heads"}
+
+
+def test_the_embedded_model_split_three_ways_keeps_its_blocks_and_generates_as_one_device():
+    """Its Q4_1 blocks as stored: each device holds a third of every fused matrix's codes, scales and biases, and
+    the tokens and logprobs are one device's (both multiplying by XLA's dots: see tensor_parallel_worker.py)."""
+    runs = generate("default", 1, 3, quantization="kept")
+    assert_same_as_one_device(runs, 3, tolerance=1e-4)
+    assert "GroupedMatrix" in runs["3"]["held"]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_matrices_quantized_on_the_devices_split_two_ways_generate_as_one_device(
+    quantization, tiny_model_dir
+):
+    """--quantization int8 or fp8 quantizes each device's part where it lies. A W8A8 product quantises its
+    activations, which turns the last bit of a float difference between the split and the whole forms (the
+    attention's, the fp8 sums' order) into a whole step; over a small model's two layers the logprobs stay within
+    1e-3 (the thirty of the embedded model amplify it to tenths)."""
+    runs = generate(str(tiny_model_dir("llama")), 1, 2, quantization=quantization)
+    assert_same_as_one_device(runs, 2, tolerance=1e-3)
+    assert "QuantizedMatrix" in runs["2"]["held"]
 
 
 def test_prefix_caching_preemption_parallel_samples_and_beams_work_unchanged_on_two_devices(tiny_llama_dir):

@@ -5,6 +5,9 @@ concatenation."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +29,14 @@ def split_fused(x: jax.Array, sizes: tuple[int, ...], groups: int) -> list[jax.A
     return [part.reshape(*x.shape[:-1], -1) for part in jnp.split(grouped, bounds, axis=-1)]
 
 
+def by_columns(function: Callable[[jax.Array], jax.Array], weight):
+    """`function` (a rearrangement of the last axis) applied to a weight's columns: a float matrix's, or a
+    quantized matrix's (models.products.WholeLeaf) arrays that run along them - its codes, its scales and biases
+    per column - leaving a per-tensor one as it is."""
+    columns = weight.shape[-1]
+    return jax.tree_util.tree_map(lambda a: function(a) if np.shape(a)[-1] == columns else a, weight)
+
+
 def group_fused_columns(params: dict, config: ModelConfig, groups: int) -> dict:
     """The loaders' params with the fused matrices' (and the QKV bias') columns in `groups` runs, as
     `split_fused` reads them: run g holds part g of every part's columns (for tensor parallelism, shard g)."""
@@ -41,10 +52,10 @@ def group_fused_columns(params: dict, config: ModelConfig, groups: int) -> dict:
 
     grouped = jax.tree_util.tree_map(lambda leaf: leaf, params)  # new dicts, the same arrays
     attn, mlp = grouped["layers"]["attn"], grouped["layers"]["mlp"]
-    attn["qkv"] = regroup(attn["qkv"], sizes["qkv"])
+    attn["qkv"] = by_columns(functools.partial(regroup, parts=sizes["qkv"]), attn["qkv"])
     if "qkv_bias" in attn:
         attn["qkv_bias"] = regroup(attn["qkv_bias"], sizes["qkv"])
-    mlp["gate_up"] = regroup(mlp["gate_up"], sizes["gate_up"])
+    mlp["gate_up"] = by_columns(functools.partial(regroup, parts=sizes["gate_up"]), mlp["gate_up"])
     return grouped
 
 
@@ -64,7 +75,7 @@ def replicate_kv_heads(params: dict, config: ModelConfig, copies: int) -> dict:
 
     replicated = jax.tree_util.tree_map(lambda leaf: leaf, params)  # new dicts, the same arrays
     attn = replicated["layers"]["attn"]
-    attn["qkv"] = repeat(attn["qkv"])
+    attn["qkv"] = by_columns(repeat, attn["qkv"])
     if "qkv_bias" in attn:
         attn["qkv_bias"] = repeat(attn["qkv_bias"])
     return replicated

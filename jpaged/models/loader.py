@@ -113,12 +113,13 @@ def load_model(
 
     `lazy` (for tensor parallelism): HF safetensors and the GGUF conversion cache give lazy weights, read only
     where indexed (lazy_weights.py), orbax checkpoints CheckpointedWeights that tensor parallelism restores into
-    their shards; a GGUF's first conversion and a quantized HF checkpoint are read whole (and dequantised)."""
+    their shards; a GGUF's first conversion and quantized checkpoints are read whole on the host (each device is
+    then given its part of them)."""
     start = time.perf_counter()
     source = resolve_model(model)
     if source.kind == "orbax":
-        if holds_quantized_matrices(source.path):  # read whole; tensor parallelism dequantises them
-            config, params = restore_checkpoint(source.path, dtype, keep=keep_blocks and not lazy)
+        if holds_quantized_matrices(source.path):  # read whole
+            config, params = restore_checkpoint(source.path, dtype, keep=keep_blocks)
         else:
             config, params = (lazy_checkpoint if lazy else restore_checkpoint)(source.path, dtype)
         tokenizer = load_tokenizer(source.path)
@@ -135,15 +136,11 @@ def load_model(
         else:
             get, names = safetensors_reader(source.path)
             if quantization is not None:
-                get = quantized_reader(quantization, get, names, keep=keep_blocks and not lazy)
+                get = quantized_reader(quantization, get, names, keep=keep_blocks)
             params = _standing_for(params_from_hf_names(config, get, dtype, progress=progress), dtype)
         tokenizer = load_tokenizer(source.path)
     else:
-        if keep_blocks and lazy:
-            raise ValueError(
-                "a GGUF's blocks are kept on one device only (tensor parallelism dequantises them)"
-            )
-        converted = load_converted(source.path, dtype, lazy=lazy, blocks=keep_blocks)
+        converted = load_converted(source.path, dtype, lazy=lazy and not keep_blocks, blocks=keep_blocks)
         if converted is None:
             fields = read_gguf_fields(source.path)
             config = gguf_model_config(fields)

@@ -109,9 +109,19 @@ class StackedProducts:
     whole_matrices: tuple[str, ...] = ()
 
     def layout(self, params: dict) -> dict:
+        return self.hold(self.arrange(params))
+
+    def arrange(self, params: dict) -> dict:
+        """The loaders' params with the fused matrices' columns where the step reads them (tensor parallelism
+        places each device's columns straight from the loaders' arrays instead: tensor_parallel.place_sharded)."""
         return (
             group_fused_columns(params, self.config, self.fused_groups) if self.fused_groups > 1 else params
         )
+
+    def hold(self, params: dict) -> dict:
+        """The arranged params as these products hold them (quantized, for QuantizedProducts); done where the
+        arranged ones are, on the host or on each device's shard."""
+        return params
 
     def embed(self, weight: jax.Array, token_ids: jax.Array) -> jax.Array:
         return weight[token_ids]

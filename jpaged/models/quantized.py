@@ -1,10 +1,12 @@
 """Layer matrices held quantized, as vLLM's online `--quantization int8` and `fp8` (W8A8, dynamic): each matrix
 int8 or float8 (e4m3) with a float32 scale per output column, each token's activations quantised on the fly with a
-scale of its own, the product accumulated in int32 (int8) or float32 (fp8) and scaled back.
+scale of its own, the product accumulated in int32 (int8) or float32 (fp8) and scaled back. A calibrated
+checkpoint's matrix may carry a static activation scale instead (`input_scale`, one a matrix): every token is then
+quantised by that one scale, clipped to the format's range, as vLLM applies it.
 
-A quantized matrix is a `QuantizedMatrix` pytree (values, scale) in the place of the float stack in the model's
-state: the layer scan slices both like any leaf and the modules are unchanged; `QuantizedProducts` is the
-MatrixProducts that reads it. The embedding and the LM head stay in the model's dtype, as vLLM keeps them.
+A quantized matrix is a `QuantizedMatrix` pytree (values, scale[, input_scale]) in the place of the float stack in
+the model's state: the layer scan slices each like any leaf and the modules are unchanged; `QuantizedProducts` is
+the MatrixProducts that reads it. The embedding and the LM head stay in the model's dtype, as vLLM keeps them.
 
 `QuantizedProducts(reference=True)` widens the same quantised operands to float32 and multiplies them there (the
 row and column scales applied to the sums, where they commute with the dot): the XLA dequantise-then-dot form the
@@ -25,7 +27,14 @@ import jax.numpy as jnp
 from jpaged.config import QUANTIZATIONS
 from jpaged.models.products import LAYER_MATRICES, StackedProducts, WholeLeaf
 
-_LARGEST = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude each stores (e4m3's finite maximum)
+_LARGEST = {
+    "int8": 127.0,
+    "fp8": 448.0,
+}  # the largest magnitude each stores symmetrically (e4m3's finite maximum)
+_RANGE = {
+    "int8": (-128.0, 127.0),
+    "fp8": (-448.0, 448.0),
+}  # what each stores: a static scale's clip, as vLLM's
 _DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
@@ -33,10 +42,13 @@ _DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 @dataclass(frozen=True)
 class QuantizedMatrix(WholeLeaf):
     """A matrix [..., K, N] as `values` (int8 or float8_e4m3fn) times `scale` [..., 1, N] (float32). A checkpoint's
-    [out, in] matrix comes with a scale a row, [..., N, 1], until `.T` puts it the way the products read it."""
+    [out, in] matrix comes with a scale a row, [..., N, 1], until `.T` puts it the way the products read it.
+    `input_scale` [..., 1, 1] (float32) is a calibrated checkpoint's static activation scale; None quantises the
+    activations per token."""
 
     values: jax.Array
     scale: jax.Array
+    input_scale: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -44,7 +56,7 @@ class QuantizedMatrix(WholeLeaf):
 
     @property
     def T(self) -> QuantizedMatrix:  # noqa: N802 (numpy's name)
-        return QuantizedMatrix(*(a.swapaxes(-1, -2) for a in (self.values, self.scale)))
+        return QuantizedMatrix(self.values.swapaxes(-1, -2), self.scale.swapaxes(-1, -2), self.input_scale)
 
     @property
     def scheme(self) -> str:
@@ -55,10 +67,16 @@ class QuantizedMatrix(WholeLeaf):
 def _quantized(x: jax.Array, amax: jax.Array, scheme: str) -> tuple[jax.Array, jax.Array]:
     """x stored as `scheme` with the scale that maps `amax` (broadcasting over x) onto its largest value."""
     scale = jnp.where(amax > 0, amax / _LARGEST[scheme], 1.0)
+    return _scaled_by(x, scale, scheme), scale
+
+
+def _scaled_by(x: jax.Array, scale: jax.Array, scheme: str) -> jax.Array:
+    """x / scale stored as `scheme`: rounded (int8) and clipped to what the format stores (a scale fitted to x
+    never reaches int8's -128, a static one may)."""
     scaled = x / scale
     if scheme == "int8":
         scaled = jnp.round(scaled)
-    return jnp.clip(scaled, -_LARGEST[scheme], _LARGEST[scheme]).astype(_DTYPES[scheme]), scale
+    return jnp.clip(scaled, *_RANGE[scheme]).astype(_DTYPES[scheme])
 
 
 def quantize(weight: jax.Array, scheme: str) -> QuantizedMatrix:
@@ -74,12 +92,18 @@ def quantize_rows(x: jax.Array, scheme: str) -> tuple[jax.Array, jax.Array]:
     return _quantized(x32, jnp.max(jnp.abs(x32), axis=-1, keepdims=True), scheme)
 
 
+def quantize_static(x: jax.Array, input_scale: jax.Array, scheme: str) -> jax.Array:
+    """Activations [T, K] by a checkpoint's static scale [1, 1]: x / input_scale, clipped to the format's range."""
+    return _scaled_by(x.astype(jnp.float32), input_scale, scheme)
+
+
 def _float32_sums(xq: jax.Array, values: jax.Array, scheme: str) -> jax.Array:
     """xq @ values with both widened to float32. For int8, over runs of K short enough that the float32 sums of
     the integer products stay exact (below 2^24), each run's sum then added: for K up to two runs this is the
-    exact sum rounded once, as the int32 sums converted to float32 are."""
+    exact sum rounded once, as the int32 sums converted to float32 are. (Products are at most 128^2: a checkpoint's
+    int8 weights and static-scaled activations reach -128.)"""
     xs, ws = xq.astype(jnp.float32), values.astype(jnp.float32)
-    run = int(2**24 // _LARGEST[scheme] ** 2) if scheme == "int8" else xs.shape[-1]
+    run = 2**24 // 128**2 if scheme == "int8" else xs.shape[-1]
     parts = [xs[:, k : k + run] @ ws[k : k + run] for k in range(0, xs.shape[-1], run)]
     return functools.reduce(jnp.add, parts)
 
@@ -87,8 +111,12 @@ def _float32_sums(xq: jax.Array, values: jax.Array, scheme: str) -> jax.Array:
 def quantized_matmul(
     x: jax.Array, weight: QuantizedMatrix, scheme: str, reference: bool = False
 ) -> jax.Array:
-    """x [T, K] @ a quantized [K, N], W8A8 with x quantised per token; in x's dtype."""
-    xq, x_scale = quantize_rows(x, scheme)
+    """x [T, K] @ a quantized [K, N], W8A8 with x quantised per token, or by the matrix's static input scale where
+    it has one; in x's dtype."""
+    if weight.input_scale is None:
+        xq, x_scale = quantize_rows(x, scheme)
+    else:
+        xq, x_scale = quantize_static(x, weight.input_scale, scheme), weight.input_scale
     if reference:
         sums = _float32_sums(xq, weight.values, scheme)
     else:
@@ -115,8 +143,8 @@ class QuantizedProducts(StackedProducts):
         if self.scheme not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.scheme!r}")
 
-    def layout(self, params: dict) -> dict:
-        laid_out = jax.tree_util.tree_map(lambda leaf: leaf, super().layout(params))  # new dicts, same arrays
+    def hold(self, params: dict) -> dict:
+        laid_out = jax.tree_util.tree_map(lambda leaf: leaf, params)  # new dicts, same arrays
         for parent, leaf in LAYER_MATRICES.values():
             node = laid_out["layers"][parent]
             if not isinstance(node[leaf], QuantizedMatrix):  # a checkpoint's own are kept

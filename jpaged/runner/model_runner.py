@@ -21,7 +21,6 @@ from tqdm.auto import tqdm
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import KVCache, init_kv_cache, model_graphdef, params_dtype
-from jpaged.models.products import StackedProducts
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import huge_pages
@@ -51,12 +50,11 @@ from jpaged.runner.tensor_parallel import (
     kv_head_copies,
     kv_sharding,
     logits_sharding,
-    param_shardings,
     shard_attention,
     tensor_parallel_config,
     tensor_parallel_mesh,
 )
-from jpaged.runner.weight_layout import choose_products
+from jpaged.runner.weight_layout import choose_products, tensor_parallel_products
 from jpaged.runner.weight_placement import WeightPlacement
 
 logger = logging.getLogger(__name__)
@@ -90,17 +88,19 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(max_model_len, config.block_size)
         self.dtype = params_dtype(params)
         self.mesh = tensor_parallel_mesh(tp, loaded_config) if tp > 1 else None
-        # Tensor parallelism keeps XLA's dots (the CPU matmul kernel sees whole matrices) on fused columns
-        # grouped per shard.
         self.products = products = (
-            StackedProducts(model_config, tp)
+            tensor_parallel_products(params, model_config, tp, config.quantization)
             if self.mesh
             else choose_products(
                 params, activation=model_config.hidden_activation, quantization=config.quantization
             )
         )
-        shardings = param_shardings(self.mesh, model_config) if self.mesh else None
-        self.weights = WeightPlacement(products, loaded_config, kv_head_copies(tp, loaded_config), shardings)
+        kv_copies = kv_head_copies(tp, loaded_config)
+        self.weights = (
+            WeightPlacement.over(self.mesh, products, loaded_config, kv_copies, params)
+            if self.mesh
+            else WeightPlacement(products, loaded_config, kv_copies)
+        )
         self.params = _in_huge_pages(self.weights.place(params), "weights")
         self._host_params = None  # the weights while asleep (sleep level 1)
         self.shapes = StepShapes(config.max_num_batched_tokens, config.max_num_seqs)

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import HEADS, MLP, QKV, VOCAB, abstract_params, partition_specs
+from jpaged.models.products import is_whole_leaf
 
 AXIS = "tp"
 SHARDED_AXES = (VOCAB, QKV, HEADS, MLP)  # logical axes split over the mesh; the others are replicated
@@ -62,17 +63,33 @@ def tensor_parallel_mesh(size: int, config: ModelConfig) -> Mesh:
     return Mesh(np.array(jax.devices()[:size]), (AXIS,))
 
 
-def param_shardings(mesh: Mesh, config: ModelConfig) -> dict:
-    """A NamedSharding for every weight (the state dict's tree); an axis the mesh does not divide is replicated."""
+def param_shardings(mesh: Mesh, config: ModelConfig, params: dict | None = None) -> dict:
+    """A NamedSharding for every weight of `params` (arrays or ShapeDtypeStructs; default the float model's state
+    dict) as the model's logical axes split it; an axis the mesh does not divide is replicated. A quantized
+    matrix (models.products.WholeLeaf) has each of its arrays split as the matrix it stands for (a transposed one's
+    the other way round): its codes with its rows and columns, its scales and biases with their groups and
+    columns, a per-tensor or per-column scale whole along the axis it does not have."""
     size = mesh.shape[AXIS]
 
-    def sharding(spec: P, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
-        dims = zip(spec, leaf.shape, strict=True)
-        axes = [AXIS if axis in SHARDED_AXES and dim % size == 0 else None for axis, dim in dims]
-        return NamedSharding(mesh, P(*axes))
+    def named(axes: tuple, leaf) -> NamedSharding:
+        dims = zip(axes, leaf.shape, strict=True)
+        return NamedSharding(
+            mesh, P(*[AXIS if axis in SHARDED_AXES and dim % size == 0 else None for axis, dim in dims])
+        )
+
+    def sharding(spec: P, leaf):
+        axes = tuple(spec)
+        if not is_whole_leaf(leaf):
+            return named(axes, leaf)
+        if getattr(leaf, "transposed", False):
+            axes = (*axes[:-2], axes[-1], axes[-2])
+        return jax.tree_util.tree_map(functools.partial(named, axes), leaf)
 
     return jax.tree_util.tree_map(
-        sharding, partition_specs(config), abstract_params(config), is_leaf=lambda x: isinstance(x, P)
+        sharding,
+        partition_specs(config),
+        abstract_params(config) if params is None else params,
+        is_leaf=lambda x: isinstance(x, P),
     )
 
 
@@ -90,7 +107,12 @@ def place_sharded(params: dict, shardings: dict, columns: dict) -> dict:
     device ever holds a whole matrix, and a process builds only its own devices' parts."""
 
     def place(path, leaf: np.ndarray, sharding: NamedSharding) -> jax.Array:
-        source = columns.get(jax.tree_util.keystr(path))
+        weight = tuple(
+            key for key in path if isinstance(key, jax.tree_util.DictKey)
+        )  # a quantized one's arrays
+        source = columns.get(jax.tree_util.keystr(weight))
+        if source is not None and leaf.shape[-1] != source.max() + 1:
+            source = None  # not along the columns (a quantized matrix's per-tensor scale): as it is
         shape = leaf.shape if source is None else (*leaf.shape[:-1], len(source))
 
         def part(index: tuple[slice, ...]) -> np.ndarray:

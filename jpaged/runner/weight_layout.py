@@ -19,16 +19,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.config import QUANTIZATIONS
+from jpaged.models.config import ModelConfig
 from jpaged.models.grouped import (
     GROUPED,
     GroupedMatrix,
+    GroupedProducts,
     LaidOutGroups,
     dequantize,
     embedding_rows,
     is_grouped,
 )
 from jpaged.models.llama import params_dtype
-from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts, act_and_mul, is_whole_leaf
+from jpaged.models.products import (
+    LAYER_MATRICES,
+    STACKED,
+    MatrixProducts,
+    StackedProducts,
+    act_and_mul,
+    is_whole_leaf,
+)
 from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize
 from jpaged.pallas.cpu import grouped_matmul, int8_matmul
 from jpaged.pallas.cpu import library as cpu_kernels
@@ -184,6 +193,8 @@ def choose_products(
             and layout == "auto"
             and on_cpu
             and cpu_matmul.supports(params_dtype(params))
+            # the kernel quantises activations per token: a checkpoint's static input scales take XLA's dots
+            and not any(isinstance(m, QuantizedMatrix) and m.input_scale is not None for m in matrices)
         ):
             return Int8PanelProducts.for_params(params, activation)
         return QuantizedProducts(scheme=quantization)
@@ -200,6 +211,22 @@ def choose_products(
             return KERNEL_GROUPED if jax.default_backend() == "gpu" else GROUPED
         return STACKED
     raise ValueError(f"layout must be 'auto', 'stacked' or 'panels', got {layout!r}")
+
+
+def tensor_parallel_products(
+    params: dict, config: ModelConfig, shards: int, quantization: str | None = None
+) -> StackedProducts:
+    """The products over `shards` devices: XLA's dots, which it partitions (the kernels see whole matrices), on
+    fused columns grouped per shard; quantized matrices held as stored (W8A8 ones, or all of them quantized for
+    `quantization`, multiplied by the native dots; grouped ones dequantised where used) and split as their float
+    matrices (tensor_parallel.param_shardings)."""
+    matrices = jax.tree_util.tree_leaves(params, is_leaf=is_whole_leaf)
+    quantization = _checkpoint_scheme(matrices) or quantization
+    if quantization in QUANTIZATIONS:
+        return QuantizedProducts(config, shards, scheme=quantization)
+    if any(is_grouped(matrix) for matrix in matrices):
+        return GroupedProducts(config, shards)
+    return StackedProducts(config, shards)
 
 
 def _checkpoint_scheme(matrices: list) -> str | None:

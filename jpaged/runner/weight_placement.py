@@ -8,13 +8,20 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jpaged.models.checkpoint import CheckpointedWeight
 from jpaged.models.config import ModelConfig
 from jpaged.models.fused_columns import replicate_kv_heads
 from jpaged.models.lazy_weights import LazyWeight
 from jpaged.models.products import MatrixProducts
-from jpaged.runner.tensor_parallel import place_restored, place_sharded
+from jpaged.runner.tensor_parallel import (
+    AXIS,
+    param_shardings,
+    place_restored,
+    place_sharded,
+    tensor_parallel_config,
+)
 
 
 @dataclass(frozen=True)
@@ -22,13 +29,42 @@ class WeightPlacement:
     products: MatrixProducts
     loaded_config: ModelConfig  # the weights' shapes as loaded
     kv_copies: int  # see tensor_parallel.kv_head_copies
-    shardings: dict | None  # each weight's NamedSharding over the mesh; None on one device
+    shardings: dict | None = (
+        None  # each weight's NamedSharding over the mesh, as the step holds it; None: one device
+    )
+    arranged_shardings: dict | None = None  # the same before the products hold them (QuantizedProducts.hold)
+
+    @classmethod
+    def over(
+        cls, mesh: Mesh, products: MatrixProducts, loaded_config: ModelConfig, kv_copies: int, params: dict
+    ) -> WeightPlacement:
+        """The placement of `params` (the loaders') over `mesh`, split as the model run there splits them."""
+        unsharded = cls(products, loaded_config, kv_copies)
+        config = tensor_parallel_config(mesh.shape[AXIS], loaded_config)
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+        arranged = jax.eval_shape(unsharded.arrange, abstract)
+        held = jax.eval_shape(products.hold, arranged)
+        return cls(
+            products,
+            loaded_config,
+            kv_copies,
+            param_shardings(mesh, config, held),
+            param_shardings(mesh, config, arranged),
+        )
+
+    def arrange(self, params: dict) -> dict:
+        """The loaders' params with their columns where the step reads them (KV heads repeated, fused columns
+        grouped per shard), not yet held as the products hold them."""
+        return self.products.arrange(self._repeated(params))
 
     def layout(self, params: dict) -> dict:
         """The loaders' params as the step takes them."""
+        return self.products.layout(self._repeated(params))
+
+    def _repeated(self, params: dict) -> dict:
         if self.kv_copies > 1:
-            params = replicate_kv_heads(params, self.loaded_config, self.kv_copies)
-        return self.products.layout(params)
+            return replicate_kv_heads(params, self.loaded_config, self.kv_copies)
+        return params
 
     def to_device(self, weights: dict) -> dict:
         """Weights already in the step's layout on the device, or sharded over the mesh."""
@@ -37,14 +73,21 @@ class WeightPlacement:
     def place(self, params: dict) -> dict:
         """The loaders' params on the device in the step's layout. Sharded, host arrays and lazy weights go to
         each device as its own part (tensor_parallel.place_sharded: a lazy weight reads just that part from its
-        file; an orbax checkpoint's are restored into their shards, place_restored); device arrays (a
-        trainer's) are laid out where they are."""
+        file; an orbax checkpoint's are restored into their shards, place_restored), then are held as the
+        products hold them on each device's part (quantized on the mesh); device arrays (a trainer's) are laid
+        out where they are."""
         leaves = jax.tree_util.tree_leaves(params)
         on_host = not any(isinstance(x, jax.Array) for x in leaves)
         if self.shardings is not None and on_host:
+            columns = self._fused_columns(params)
             if all(isinstance(x, CheckpointedWeight) for x in leaves):
-                return place_restored(params, self.shardings, self._fused_columns(params))
-            return place_sharded(params, self.shardings, self._fused_columns(params))
+                placed = place_restored(params, self.arranged_shardings, columns)
+            else:
+                placed = place_sharded(params, self.arranged_shardings, columns)
+            if jax.tree_util.tree_structure(self.shardings) == jax.tree_util.tree_structure(placed):
+                return placed
+            hold = jax.jit(self.products.hold, out_shardings=self.shardings, donate_argnums=0)
+            return hold(placed)
         read = jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, LazyWeight) else x, params)
         return self.to_device(self.layout(read))
 
@@ -58,7 +101,7 @@ class WeightPlacement:
                 "mlp": {"gate_up": np.arange(mlp["gate_up"].shape[-1])},
             }
         }
-        laid_out = self.layout(indices)["layers"]
+        laid_out = self.arrange(indices)["layers"]
         qkv, gate_up = np.asarray(laid_out["attn"]["qkv"]), np.asarray(laid_out["mlp"]["gate_up"])
         columns = {"['layers']['attn']['qkv']": qkv, "['layers']['mlp']['gate_up']": gate_up}
         if "qkv_bias" in attn:
