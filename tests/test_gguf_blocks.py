@@ -15,7 +15,7 @@ from test_models import PagedRun, relative_error
 from jpaged import LLM, SamplingParams
 from jpaged.config import EngineConfig
 from jpaged.models import gguf_cache
-from jpaged.models.grouped import GROUPED, GroupedMatrix, host_dequantized
+from jpaged.models.grouped import GROUPED, GroupedMatrix, PackedCodes, host_dequantized
 from jpaged.models.loader import load_model
 from jpaged.runner.weight_layout import GroupedPanels, held_weight_bytes
 
@@ -56,6 +56,9 @@ def test_blocks_give_the_logits_of_dequantise_then_dot_and_of_the_dequantised_mo
     )
     runs = _runs(blocks, floats)
     assert isinstance(runs[0].params["layers"]["mlp"]["gate_up"], GroupedPanels)
+    held = runs[1].params["layers"]["mlp"]["gate_up"]  # XLA's: 4-bit codes two to a byte
+    assert isinstance(held, PackedCodes if qtype != "Q8_0" else GroupedMatrix)
+    assert held.codes.nbytes == layers["mlp"]["gate_up"].codes.nbytes // (2 if qtype != "Q8_0" else 1)
     _assert_same_logits(runs, blocks.config.vocab_size)
 
 
@@ -114,8 +117,13 @@ def test_the_conversion_cache_keeps_blocks_and_floats_apart(gguf_of):  # noqa: F
     assert embed.transposed and embed.bits == 4 and embed.dtype == np.float32
 
 
-def test_what_cannot_hold_blocks_is_a_value_error_naming_it(gguf_of):  # noqa: F811
-    with pytest.raises(ValueError, match="blocks are kept on one device only"):
-        load_model(str(gguf_of("phi3", qtype="Q4_0")), progress=False, keep_blocks=True, lazy=True)
+def test_tensor_parallelism_reads_the_blocks_whole_on_the_host(gguf_of):  # noqa: F811
+    """Lazy loading (tensor parallelism's) keeps the blocks, read whole; each device is then given its part."""
+    loaded = load_model(str(gguf_of("phi3", qtype="Q4_0")), progress=False, keep_blocks=True, lazy=True)
+    qkv = loaded.params["layers"]["attn"]["qkv"]
+    assert isinstance(qkv, GroupedMatrix) and isinstance(qkv.codes, np.ndarray)
+
+
+def test_a_quantization_jpaged_cannot_hold_is_a_value_error_naming_the_choices():
     with pytest.raises(ValueError, match="quantization must be one of.*none"):
         EngineConfig(quantization="int4")

@@ -85,11 +85,12 @@ def test_the_embedded_model_splits_its_nine_heads_three_ways_and_refuses_two():
 
 
 def test_the_embedded_model_split_three_ways_keeps_its_blocks_and_generates_as_one_device():
-    """Its Q4_1 blocks as stored: each device holds a third of every fused matrix's codes, scales and biases, and
-    the tokens and logprobs are one device's (both multiplying by XLA's dots: see tensor_parallel_worker.py)."""
+    """Its Q4_1 blocks as stored (codes two to a byte): each device holds a third of every fused matrix's codes,
+    scales and biases, and the tokens and logprobs are one device's (both multiplying by XLA's dots: see
+    tensor_parallel_worker.py)."""
     runs = generate("default", 1, 3, quantization="kept")
     assert_same_as_one_device(runs, 3, tolerance=1e-4)
-    assert "GroupedMatrix" in runs["3"]["held"]
+    assert "PackedCodes" in runs["3"]["held"]
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])

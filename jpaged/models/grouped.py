@@ -91,8 +91,46 @@ class LaidOutGroups(WholeLeaf):
         return self.codes, self.scale, self.bias
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PackedCodes(LaidOutGroups):
+    """A 4-bit GroupedMatrix with its codes two to a byte, rows 2i and 2i + 1 in the low and high nibbles: what
+    GroupedProducts holds and dequantises where used, in half the bytes of a code a byte. Split along its rows
+    (tensor parallelism's row-parallel matrices), each device's part is still whole pairs."""
+
+    transposed: bool = field(default=False, metadata=_STATIC)
+
+    @classmethod
+    def of(cls, matrix: GroupedMatrix) -> PackedCodes:
+        codes = jnp.asarray(matrix.codes)
+        packed = codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)
+        return cls(
+            packed,
+            jnp.asarray(matrix.scale),
+            jnp.asarray(matrix.bias),
+            matrix.bits,
+            matrix.dtype,
+            matrix.transposed,
+        )
+
+    @staticmethod
+    def packs(matrix: GroupedMatrix) -> bool:
+        """Whether its codes pack: 4-bit unsigned ones in even groups."""
+        return matrix.bits == 4 and matrix.codes.dtype == np.uint8 and matrix.group_size % 2 == 0
+
+    def unpacked(self) -> GroupedMatrix:
+        *lead, half, n = self.codes.shape
+        codes = jnp.stack([self.codes & 15, self.codes >> 4], axis=-2).reshape(*lead, 2 * half, n)
+        return GroupedMatrix(codes, self.scale, self.bias, self.bits, self.transposed, self.dtype)
+
+
 def is_grouped(leaf) -> bool:
     return isinstance(leaf, GroupedMatrix)
+
+
+def _stored(weight):
+    """A held weight as its GroupedMatrix (packed codes unpacked) or as it is."""
+    return weight.unpacked() if isinstance(weight, PackedCodes) else weight
 
 
 def _dequantized(matrix: GroupedMatrix, xp):
@@ -141,17 +179,26 @@ def embedding_rows(matrix: GroupedMatrix, token_ids: jax.Array) -> jax.Array:
 @dataclass(frozen=True)
 class GroupedProducts(StackedProducts):
     """XLA's dots on GroupedMatrix leaves dequantised where they are used (float ones as StackedProducts
-    multiplies them)."""
+    multiplies them), 4-bit codes held two to a byte (PackedCodes)."""
+
+    def hold(self, params: dict) -> dict:
+        def held(leaf):
+            return PackedCodes.of(leaf) if is_grouped(leaf) and PackedCodes.packs(leaf) else leaf
+
+        return jax.tree_util.tree_map(held, params, is_leaf=is_grouped)
 
     def layer(self, name, weight, x, layer, rows) -> jax.Array:
+        weight = _stored(weight)
         if is_grouped(weight):
             return x @ dequantize(weight, x.dtype)
         return super().layer(name, weight, x, layer, rows)
 
     def embed(self, weight, token_ids: jax.Array) -> jax.Array:
+        weight = _stored(weight)
         return embedding_rows(weight, token_ids) if is_grouped(weight) else weight[token_ids]
 
     def lm_head(self, weight, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
+        weight = _stored(weight)
         if is_grouped(weight):
             head = dequantize(weight.T if tied else weight, h.dtype)
             return jnp.dot(h, head, preferred_element_type=jnp.float32)

@@ -49,14 +49,14 @@ class KernelGroupedProducts(GroupedProducts):
 
     interpret: bool = False
 
-    def layout(self, params: dict) -> dict:
-        laid_out = jax.tree_util.tree_map(lambda leaf: leaf, super().layout(params), is_leaf=is_grouped)
+    def hold(self, params: dict) -> dict:
+        laid_out = jax.tree_util.tree_map(lambda leaf: leaf, params, is_leaf=is_grouped)
         for parent, leaf in LAYER_MATRICES.values():
             node = laid_out["layers"][parent]
             node[leaf] = _held(node[leaf])
         if "lm_head" in laid_out:
             laid_out["lm_head"] = _held(laid_out["lm_head"])
-        return laid_out
+        return super().hold(laid_out)  # the rest as GroupedProducts holds it
 
     def _product(self, weight: KernelGroupedMatrix, x: jax.Array, out_dtype=None) -> jax.Array:
         return gpu_grouped_matmul.matmul(
