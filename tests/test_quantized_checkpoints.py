@@ -1,12 +1,14 @@
 """HF checkpoints shipped quantized are served kept as stored: every matrix stands for exactly what the format's own
 library dequantises it to; the kernels give the logits of the XLA dequantise-then-dot form; weight-only formats give
 transformers' logits of the dequantised model; the engine serves them with nothing compiled after warm-up, and
-`--quantization none` (or tensor parallelism) dequantises them at load.
+`--quantization none` dequantises them at load; tensor parallelism splits them as stored. A calibrated W8A8 checkpoint's static
+activation scales are applied as vLLM applies them (one scale a matrix, a fused matrix's the largest of its parts').
 
-Checkpoints: llm-compressor writes the compressed-tensors ones (its preset schemes); the FP8 block one (Qwen3-FP8 and
-DeepSeek's `quant_method: fp8`) is quantised here in torch; AWQ and GPTQ by tests/quantized_checkpoints.py. References:
-compressed-tensors' own `dequantize` and FP8BlockDequantizer, its AutoAWQ converter, and the GPTQ writer's dequantised
-weights.
+Checkpoints: llm-compressor writes the compressed-tensors ones (its preset schemes and a static int8 one it has no
+preset for, calibrated on a few in-memory texts where activation scales are static); the FP8 block one (Qwen3-FP8
+and DeepSeek's `quant_method: fp8`) is quantised here in torch; AWQ and GPTQ by tests/quantized_checkpoints.py.
+References: compressed-tensors' own `dequantize` and FP8BlockDequantizer, its AutoAWQ converter, and the GPTQ
+writer's dequantised weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_models import PagedRun, relative_error
@@ -25,7 +28,7 @@ from jpaged import LLM, SamplingParams
 from jpaged.models.grouped import GroupedMatrix
 from jpaged.models.loader import load_model
 from jpaged.models.params import dequantized
-from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts
+from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize, quantized_matmul
 from jpaged.runner.gpu_grouped_layout import KernelGroupedMatrix, KernelGroupedProducts
 from jpaged.runner.weight_layout import GroupedPanels
 
@@ -44,15 +47,28 @@ SHAPE = dict(
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj") + tuple(
     f"mlp.{m}_proj" for m in ("gate", "up", "down")
 )
-# llm-compressor's preset scheme -> how jpaged keeps its matrices, and whether activations stay in float (W*A16).
+# llm-compressor's preset scheme (or one of SCHEMES) -> how jpaged keeps its matrices, and whether activations stay
+# in float (W*A16).
 COMPRESSED = {
     "W4A16": (GroupedMatrix, True),
     "W4A16_ASYM": (GroupedMatrix, True),
     "W8A16": (GroupedMatrix, True),
     "W8A8": (QuantizedMatrix, False),
+    "W8A8_STATIC": (QuantizedMatrix, False),
     "FP8_DYNAMIC": (QuantizedMatrix, False),
+    "FP8": (QuantizedMatrix, False),  # static activation scales a tensor
     "FP8_BLOCK": (GroupedMatrix, True),  # weights dequantised where used (activations kept in float)
 }
+# Schemes llm-compressor has no preset for, as its QuantizationModifier's config groups: int8 W8A8 with static
+# activation scales a tensor (vLLM serves it as it does the FP8 preset).
+SCHEMES = {
+    "W8A8_STATIC": dict(
+        targets=["Linear"],
+        weights=dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+        input_activations=dict(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False),
+    )
+}
+STATIC = ("W8A8_STATIC", "FP8")  # calibrated: their activation scales are fixed at quantisation
 FORMATS = [*COMPRESSED, "fp8_blocks", "awq", "gptq", "gptq_act_order"]
 ARGS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=2**22)
 
@@ -94,24 +110,45 @@ def _weights(model_dir: Path) -> dict[str, np.ndarray]:
     return {name.removesuffix(".weight"): w for name, w in tensors.items() if name.endswith("_proj.weight")}
 
 
-def _compressed(scheme: str, float_dir: Path, out: Path) -> tuple[Path, dict[str, np.ndarray]]:
+def _quantized_model(scheme: str, float_dir: Path):
+    """The float model quantised by llm-compressor with `scheme`, calibrated where its activation scales are static
+    (on a few texts held in memory: there is no hub to fetch a data set from)."""
+    import datasets
     import transformers
-    from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]))
-    model.save_pretrained(out)
+    preset = dict(targets="Linear", scheme=scheme)
+    groups = dict(config_groups=dict(group_0=SCHEMES[scheme])) if scheme in SCHEMES else preset
+    recipe = QuantizationModifier(**groups, ignore=["lm_head"])
+    calibration = {}
+    if scheme in STATIC:
+        texts = [
+            "The capital of France is Paris.",
+            "def add(a, b):\n    return a + b",
+            "one two three four " * 8,
+        ]
+        tokens = transformers.AutoTokenizer.from_pretrained(float_dir)(texts)
+        calibration = dict(
+            dataset=datasets.Dataset.from_dict(dict(tokens)), num_calibration_samples=len(texts)
+        )
+    oneshot(model=model, recipe=recipe, **calibration)
+    return model
+
+
+def _compressed(scheme: str, float_dir: Path, out: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    _quantized_model(scheme, float_dir).save_pretrained(out)
     shutil.copy(float_dir / "tokenizer.json", out)
     shutil.copy(float_dir / "tokenizer_config.json", out)
     # compressed-tensors' dequantisation of each module, from its quantised weight as the model holds it after
     # compression is undone (the library's own unpacking of the saved checkpoint is the test's other side).
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     args = QuantizationArgs(**next(iter(config["config_groups"].values()))["weights"])
-    ref = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
-    oneshot(model=ref, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]))
+    ref = _quantized_model(scheme, float_dir)
     expected = {}
     for name, module in ref.named_modules():
         if name.endswith(MATRICES):
@@ -185,6 +222,53 @@ def test_each_matrix_is_kept_and_stands_for_what_its_library_dequantises(form, c
     assert isinstance(dense, np.ndarray) and dense.dtype == np.float32
 
 
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_a_static_activation_scale_quantises_every_token_by_that_one_scale(scheme):
+    """vLLM's static W8A8, written out in numpy float64: x / input_scale clipped to the format's range (rounded, for
+    int8), the sums scaled back by input_scale and the columns' scales; both forms of the product give it, and the
+    per-token product does not."""
+    rng = np.random.default_rng(5)
+    sizes = np.geomspace(0.05, 5, 6)[:, None]  # tokens of all sizes
+    x = (rng.standard_normal((6, 256)) * sizes).astype(np.float32)
+    weight = quantize(rng.standard_normal((256, 24)).astype(np.float32), scheme)
+    low, high = {"int8": (-128, 127), "fp8": (-448, 448)}[scheme]
+    input_scale = np.full((1, 1), np.abs(x).max() / 4 / high, np.float32)  # the largest tokens clip
+    static = QuantizedMatrix(weight.values, weight.scale, input_scale)
+    assert static.T.input_scale is input_scale and static.scheme == scheme
+    scaled = x.astype(np.float64) / input_scale
+    xq = np.clip(np.round(scaled) if scheme == "int8" else scaled, low, high)
+    if scheme == "fp8":
+        xq = xq.astype(jnp.float8_e4m3fn).astype(np.float64)
+    expected = xq @ np.asarray(weight.values, np.float64) * input_scale * np.asarray(weight.scale, np.float64)
+    for reference in (False, True):
+        got = np.asarray(quantized_matmul(jnp.asarray(x), static, scheme, reference))
+        assert relative_error(got, expected) < 1e-6
+    assert relative_error(np.asarray(quantized_matmul(jnp.asarray(x), weight, scheme)), expected) > 0.1
+
+
+def test_fused_matrices_take_the_largest_static_scale_of_their_parts(checkpoint, tmp_path):
+    """q, k and v (gate and up) read one input and are multiplied as one matrix: its one activation scale is the
+    largest of theirs (vLLM's rule), which clips none of their calibrated ranges."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "FP8"
+    shutil.copytree(checkpoint("FP8")[0], path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_proj.input_scale"] *= 3  # one layer's parts calibrated apart
+    tensors["model.layers.0.mlp.up_proj.input_scale"] *= 2
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    layers = load_model(str(path), progress=False, keep_blocks=True).params["layers"]
+    fused = [
+        (layers["attn"]["qkv"], ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        (layers["mlp"]["gate_up"], ("mlp.gate_proj", "mlp.up_proj")),
+    ]
+    for matrix, parts in fused:
+        assert matrix.input_scale.shape == (SHAPE["num_hidden_layers"], 1, 1)
+        for layer in range(SHAPE["num_hidden_layers"]):
+            largest = max(float(tensors[f"model.layers.{layer}.{part}.input_scale"]) for part in parts)
+            assert float(matrix.input_scale[layer, 0, 0]) == largest
+
+
 def test_the_awq_writer_agrees_with_compressed_tensors_converter(checkpoint):
     from quantized_checkpoints import awq_matches_compressed_tensors
 
@@ -197,8 +281,9 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 # One checkpoint a kernel path: the grouped kernel's 4- and 8-bit codes (and AWQ's zeros), the int8 kernel, XLA's fp8
-# dot (block-scaled FP8 is dequantised the XLA way whatever the layout, so it has no second form to compare).
-@pytest.mark.parametrize("form", ["W4A16", "W8A16", "awq", "W8A8", "FP8_DYNAMIC"])
+# dot, XLA's dots with static activation scales (int8 ones too: the CPU int8 kernel quantises per token). Block-scaled
+# FP8 is dequantised the XLA way whatever the layout, so it has no second form to compare.
+@pytest.mark.parametrize("form", ["W4A16", "W8A16", "awq", "W8A8", "FP8_DYNAMIC", *STATIC])
 def test_the_kernels_give_the_logits_of_dequantise_then_dot(form, checkpoint):
     loaded = load_model(str(checkpoint(form)[0]), progress=False, keep_blocks=True)
     prompts = _prompts(loaded.config.vocab_size)
@@ -248,7 +333,9 @@ def test_weight_only_formats_give_transformers_logits_of_the_dequantised_model(f
     assert relative_error(ours, hf_logits(dense, prompt)) < 1e-3
 
 
-@pytest.mark.parametrize(("form", "held_as"), [("W4A16", GroupedPanels), ("W8A8", QuantizedMatrix)])
+@pytest.mark.parametrize(
+    ("form", "held_as"), [("W4A16", GroupedPanels), ("W8A8", QuantizedMatrix), ("FP8", QuantizedMatrix)]
+)
 def test_the_engine_serves_a_quantized_checkpoint_and_compiles_nothing_after_warm_up(
     form, held_as, checkpoint
 ):
@@ -271,6 +358,32 @@ def test_tensor_parallelism_dequantises_a_quantized_checkpoint_and_generates_as_
     assert_same_as_one_device(generate(str(checkpoint("W4A16")[0]), 1, 2), 2)
 
 
+def _static_activations(**change) -> dict:
+    """A change to the FP8 preset's (static) input activations."""
+    return dict(config_groups=dict(group_0=dict(input_activations=change)))
+
+
+# k_proj with dynamic activations, fused with static q and v.
+_DYNAMIC_K = dict(
+    config_groups=dict(
+        dynamic_k=dict(
+            targets=["re:.*k_proj$"],
+            weights=dict(num_bits=8, type="float", strategy="tensor"),
+            input_activations=dict(num_bits=8, type="float", strategy="token", dynamic=True),
+        )
+    )
+)
+
+
+def _merge(config: dict, change: dict) -> None:
+    """`change` written into `config`, a dict in it merged into the one there."""
+    for key, value in change.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            _merge(config[key], value)
+        else:
+            config[key] = value
+
+
 @pytest.mark.parametrize(
     ("form", "change", "message"),
     [
@@ -278,6 +391,10 @@ def test_tensor_parallelism_dequantises_a_quantized_checkpoint_and_generates_as_
         ("W4A16", dict(sparsity_config=dict(format="sparse-24-bitmask")), "sparsity_config format"),
         ("awq", dict(version="gemv"), "version='gemv'"),
         ("fp8_blocks", dict(fmt="e5m2"), "fmt 'e5m2'"),
+        ("FP8", _static_activations(strategy="group", group_size=128), "input_activations strategy 'group'"),
+        ("FP8", _static_activations(strategy="token"), "input_activations strategy 'token'"),
+        ("FP8", _static_activations(symmetric=False), "input_activations symmetric false"),
+        ("FP8", _DYNAMIC_K, "k_proj.weight.*mixing static activation scales"),
     ],
 )
 def test_a_quantization_config_jpaged_cannot_read_is_a_value_error_naming_its_field(
@@ -286,13 +403,13 @@ def test_a_quantization_config_jpaged_cannot_read_is_a_value_error_naming_its_fi
     path = tmp_path / form
     shutil.copytree(checkpoint(form)[0], path)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"].update(change)
+    _merge(config["quantization_config"], change)
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load_model(str(path), progress=False, keep_blocks=True)
 
 
-@pytest.mark.parametrize("form", ["W4A16", "W8A8"])
+@pytest.mark.parametrize("form", ["W4A16", "W8A8", "FP8"])
 def test_convert_writes_the_matrices_kept_and_the_orbax_checkpoint_restores_them_as_they_were(
     form, checkpoint, tmp_path
 ):

@@ -3,12 +3,13 @@
 - `pack-quantized` (W4A16, W8A16): integer codes packed in int32 words along the inputs, a scale (and, asymmetric, a
   zero point packed along the outputs) per group, channel or tensor -> GroupedMatrix (w = scale (q - zero));
 - `int-quantized` / `naive-quantized` int8: with integer input activations (W8A8) a QuantizedMatrix (int8 and a
-  scale an output, activations quantised per token); weight-only, a GroupedMatrix of 8-bit codes;
-- `float-quantized` FP8: W8A8 with a scale a tensor or channel -> QuantizedMatrix (float8, activations quantised per
-  token); block scales (128 x 128) or weight-only -> a GroupedMatrix of float8 codes, dequantised where used.
+  scale an output); weight-only, a GroupedMatrix of 8-bit codes;
+- `float-quantized` FP8: W8A8 with a scale a tensor or channel -> QuantizedMatrix (float8); block scales (128 x 128)
+  or weight-only -> a GroupedMatrix of float8 codes, dequantised where used.
 
-Static activation scales (`input_scale`) are not applied: activations are quantised per token, which keeps at least
-their precision. Sparse (2:4) compression is refused.
+A W8A8 matrix quantises its activations per token where `input_activations` are dynamic; where they are static
+(calibrated: `dynamic: false`, llm-compressor's FP8 preset), by the module's `input_scale`, one a tensor, as vLLM
+does; other static strategies and asymmetric ones (a zero point) are refused. Sparse (2:4) compression is refused.
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ def _matrix(module: str, get: GetTensor, names, weights: dict, activations: dict
         stored = get(f"{module}.weight")
         out, inputs = stored.shape
         if kind == "float":
-            return _float8(stored, scale, strategy, activations)
+            return _float8(module, get, stored, scale, strategy, activations)
         if activations is not None and activations.get("type") == "int" and strategy in ("channel", "tensor"):
-            return QuantizedMatrix(stored.astype(np.int8), np.broadcast_to(scale, (out, 1)).copy())
+            scale = np.broadcast_to(scale, (out, 1)).copy()
+            return QuantizedMatrix(stored.astype(np.int8), scale, _input_scale(module, get, activations))
         codes, offset = stored.view(np.int8), 0
     scale = _per_group(scale, out, inputs, strategy)
     zero = np.float32(offset)
@@ -106,11 +108,37 @@ def _per_group(values: np.ndarray, out: int, inputs: int, strategy: str) -> np.n
     raise ValueError(f"compressed-tensors integer weights with strategy {strategy!r} are not supported")
 
 
-def _float8(stored: np.ndarray, scale: np.ndarray, strategy: str, activations: dict | None) -> Matrix:
+def _float8(
+    module: str,
+    get: GetTensor,
+    stored: np.ndarray,
+    scale: np.ndarray,
+    strategy: str,
+    activations: dict | None,
+) -> Matrix:
     out, inputs = stored.shape
     if strategy == "block":
         return block_scaled(stored, scale)
     scale = _per_group(scale, out, inputs, strategy)
     if activations is not None and activations.get("type") == "float" and scale.shape[1] == 1:
-        return QuantizedMatrix(stored, scale)
+        return QuantizedMatrix(stored, scale, _input_scale(module, get, activations))
     return float8_rows(stored, scale)
+
+
+def _input_scale(module: str, get: GetTensor, activations: dict) -> np.ndarray | None:
+    """A W8A8 module's static activation scale as [1, 1] (float32), or None where its activations are dynamic
+    (quantised per token). compressed-tensors' `dynamic` defaults to false: a scheme that omits it is static."""
+    dynamic = activations.get("dynamic", False)
+    if dynamic is True:
+        return None
+    strategy = activations.get("strategy")
+    if dynamic is not False or strategy != "tensor":
+        raise ValueError(
+            f"{module}: compressed-tensors input_activations strategy {strategy!r} with dynamic {dynamic!r} is not "
+            "supported (static activation scales are read per tensor)"
+        )
+    if not activations.get("symmetric", True):
+        raise ValueError(
+            f"{module}: compressed-tensors input_activations symmetric false (a static zero point) is not supported"
+        )
+    return np.asarray(get(f"{module}.input_scale"), np.float32).reshape(1, 1)

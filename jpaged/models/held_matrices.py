@@ -22,7 +22,8 @@ def as_arrays(flat: dict, sep: str) -> tuple[dict, dict[str, dict]]:
                 GROUPED_FIELDS,
             )
         elif isinstance(leaf, QuantizedMatrix):
-            forms[path], fields = dict(kind="quantized"), _QUANTIZED_FIELDS
+            static = ("input_scale",) if leaf.input_scale is not None else ()  # None is no array to write
+            forms[path], fields = dict(kind="quantized"), _QUANTIZED_FIELDS + static
         else:
             arrays[path] = leaf
             continue
@@ -32,7 +33,8 @@ def as_arrays(flat: dict, sep: str) -> tuple[dict, dict[str, dict]]:
 
 def from_arrays(arrays: dict, forms: dict[str, dict], dtype, sep: str) -> dict:
     """`as_arrays` undone: float arrays cast to `dtype`, quantized matrices rebuilt (a GroupedMatrix standing for
-    `dtype`). A form without a kind is a GroupedMatrix's (the conversion cache's first forms)."""
+    `dtype`; a QuantizedMatrix without a stored input_scale quantises activations per token). A form without a
+    kind is a GroupedMatrix's (the conversion cache's first forms)."""
     flat, fields = {}, {}
     for name, array in arrays.items():
         path, _, field = name.rpartition(sep)

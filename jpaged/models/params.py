@@ -50,7 +50,7 @@ def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress
         parts = [part.reshape(1) if scalar(part) else part for part in parts]
         parts = [part.T for part in parts] if recipe.transposed else parts
         if any(isinstance(part, WholeLeaf) for part in parts):
-            joined = _joined(parts)
+            joined = _joined(parts, [name.format(i=layer) for name in recipe.names])
             if joined is not None:
                 return joined
             parts = [dequantized(part) for part in parts]
@@ -66,18 +66,30 @@ def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress
     return unflatten_dict(flat, sep="/")
 
 
-def _joined(parts: list) -> WholeLeaf | None:
-    """Quantized matrices [K, N_i] side by side as one, or None where they are not all of one form."""
+def _joined(parts: list, names: list[str]) -> WholeLeaf | None:
+    """Quantized matrices [K, N_i] (tensors `names`) side by side as one, or None where they are not all of one
+    form. The parts of a fused W8A8 matrix read one input, so their static activation scales join as vLLM joins
+    them: the largest, which clips none of the parts' calibrated ranges."""
     if all(isinstance(part, QuantizedMatrix) for part in parts):
-        if len({part.values.dtype for part in parts}) == 1:
-            return jax.tree_util.tree_map(lambda *columns: np.concatenate(columns, axis=-1), *parts)
-        return None
+        if len({part.values.dtype for part in parts}) > 1:
+            return None
+        static = [part.input_scale is not None for part in parts]
+        if any(static) and not all(static):
+            raise ValueError(
+                f"{', '.join(names)}: fused matrices mixing static activation scales (input_scale) with "
+                "dynamic activations are not supported"
+            )
+        values, scale = (
+            np.concatenate([getattr(part, f) for part in parts], axis=-1) for f in ("values", "scale")
+        )
+        input_scale = np.max([part.input_scale for part in parts], axis=0) if all(static) else None
+        return QuantizedMatrix(values, scale, input_scale)
     return joined_columns(parts)
 
 
 def _stacked(layers: list, dtype) -> np.ndarray | WholeLeaf:
-    """The layers' leaves stacked on a new first axis; dequantised where they differ in form (a checkpoint that
-    left some layers' matrices unquantized)."""
+    """The layers' leaves stacked on a new first axis (a quantized matrix's static activation scales [L, 1, 1]);
+    dequantised where they differ in form (a checkpoint that left some layers' matrices unquantized)."""
     structure = {jax.tree_util.tree_structure(layer) for layer in layers}
     if len(structure) > 1:
         layers = [np.asarray(dequantized(layer), dtype) for layer in layers]
@@ -85,7 +97,8 @@ def _stacked(layers: list, dtype) -> np.ndarray | WholeLeaf:
 
 
 def dequantized(matrix) -> np.ndarray:
-    """The float32 matrix a quantized one stands for (a float one as it is)."""
+    """The float32 matrix a quantized one stands for (a float one as it is; a static activation scale is the
+    activations', not the matrix's, so float activations simply go unquantised)."""
     if is_grouped(matrix):
         return host_dequantized(matrix)
     if isinstance(matrix, QuantizedMatrix):

@@ -27,14 +27,10 @@ import jax.numpy as jnp
 from jpaged.config import QUANTIZATIONS
 from jpaged.models.products import LAYER_MATRICES, StackedProducts, WholeLeaf
 
-_LARGEST = {
-    "int8": 127.0,
-    "fp8": 448.0,
-}  # the largest magnitude each stores symmetrically (e4m3's finite maximum)
-_RANGE = {
-    "int8": (-128.0, 127.0),
-    "fp8": (-448.0, 448.0),
-}  # what each stores: a static scale's clip, as vLLM's
+# The largest magnitude each stores symmetrically (e4m3's finite maximum): what a fitted scale maps onto.
+_LARGEST = {"int8": 127.0, "fp8": 448.0}
+# What each stores: where a static scale's quotients are clipped, as vLLM clips them.
+_RANGE = {"int8": (-128.0, 127.0), "fp8": (-448.0, 448.0)}
 _DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
