@@ -34,8 +34,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs
 
 
 def held_bytes(weight) -> list:
-    """[bytes of the whole weight (all the arrays of a quantized one), each device's bytes of it (sorted)]."""
-    arrays = jax.tree_util.tree_leaves(weight)
+    """[bytes of the whole weight, each device's bytes of it (sorted)]: of a quantized one, of its arrays that are
+    split (a per-tensor scale is on every device whole)."""
+    arrays = [array for array in jax.tree_util.tree_leaves(weight) if array.shape[-2:] != (1, 1)]
     per_device: dict = {}
     for shard in (shard for array in arrays for shard in array.addressable_shards):
         per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes

@@ -1,8 +1,9 @@
 """HF checkpoints shipped quantized are served kept as stored: every matrix stands for exactly what the format's own
 library dequantises it to; the kernels give the logits of the XLA dequantise-then-dot form; weight-only formats give
-transformers' logits of the dequantised model; the engine serves them with nothing compiled after warm-up, and
-`--quantization none` dequantises them at load; tensor parallelism splits them as stored. A calibrated W8A8 checkpoint's static
-activation scales are applied as vLLM applies them (one scale a matrix, a fused matrix's the largest of its parts').
+transformers' logits of the dequantised model; the engine serves them with nothing compiled after warm-up,
+`--quantization none` dequantises them at load and tensor parallelism splits them as stored. A calibrated W8A8
+checkpoint's static activation scales are applied as vLLM applies them (one scale a matrix, a fused matrix's the
+largest of its parts').
 
 Checkpoints: llm-compressor writes the compressed-tensors ones (its preset schemes and a static int8 one it has no
 preset for, calibrated on a few in-memory texts where activation scales are static); the FP8 block one (Qwen3-FP8
@@ -352,10 +353,25 @@ def test_the_engine_serves_a_quantized_checkpoint_and_compiles_nothing_after_war
         assert llm.metrics()["num_compilations"] == compiled
 
 
-def test_tensor_parallelism_dequantises_a_quantized_checkpoint_and_generates_as_one_device(checkpoint):
+@pytest.mark.parametrize(
+    ("form", "held", "tolerance"),
+    [
+        ("W4A16", "PackedCodes", 1e-5),
+        ("W8A8", "QuantizedMatrix", 1e-3),
+        ("FP8", "QuantizedMatrix", 1e-3),  # static activation scales, on every device whole
+        ("fp8_blocks", "GroupedMatrix", 1e-5),
+    ],
+)
+def test_tensor_parallelism_splits_a_checkpoints_matrices_as_stored_and_generates_as_one_device(
+    form, held, tolerance, checkpoint
+):
+    """Each device holds its part of the codes and their scales (W8A8: see
+    test_tensor_parallel.test_matrices_quantized_on_the_devices_split_two_ways_generate_as_one_device)."""
     from test_tensor_parallel import assert_same_as_one_device, generate
 
-    assert_same_as_one_device(generate(str(checkpoint("W4A16")[0]), 1, 2), 2)
+    runs = generate(str(checkpoint(form)[0]), 1, 2, quantization="kept")
+    assert_same_as_one_device(runs, 2, tolerance)
+    assert held in runs["2"]["held"]
 
 
 def _static_activations(**change) -> dict:
