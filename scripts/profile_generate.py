@@ -8,6 +8,7 @@ whose custom calls take over `--long-ms` is counted as prefill. The profiler slo
   python scripts/profile_generate.py                      # workload (a): 64 x 128 ids in, 128 out, float32
   python scripts/profile_generate.py --dtype bfloat16 --mixed
   python scripts/profile_generate.py --dtype bfloat16 --block-size 64
+  python scripts/profile_generate.py --dtype bfloat16 --single    # compare.sh's single: 1 x 128 ids, 128 out
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ import jpaged  # noqa: E402
 LAYER_CALLS = ("QKV", "attention", "O", "gate/up", "down")
 
 
-def workload(mixed: bool) -> tuple[list[list[int]], list[int]]:
+def workload(mixed: bool, single: bool = False) -> tuple[list[list[int]], list[int]]:
     """compare.sh's workloads (../shared/bench/peers.py, seed 0): 64 x 128 random ids (special tokens and the
-    vocabulary's tail avoided); 128 tokens out, or 16..256 with --mixed."""
-    rng = random.Random((2 if mixed else 1) * 7919)
-    prompts = [[rng.randrange(100, 49000) for _ in range(128)] for _ in range(64)]
+    vocabulary's tail avoided); 128 tokens out, or 16..256 with --mixed; one prompt with --single."""
+    rng = random.Random((2 if mixed else 0 if single else 1) * 7919)
+    prompts = [[rng.randrange(100, 49000) for _ in range(128)] for _ in range(1 if single else 64)]
     lengths = random.Random(1000)
     return prompts, [lengths.randint(16, 256) if mixed else 128 for _ in prompts]
 
@@ -98,6 +99,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--mixed", action="store_true", help="workload (b): 16..256 tokens out")
+    parser.add_argument("--single", action="store_true", help="one prompt (compare.sh's single)")
     parser.add_argument("--block-size", type=int, default=16, help="the engine's KV block size")
     parser.add_argument(
         "--long-ms", type=float, default=500.0, help="custom-call time that makes a prefill step"
@@ -108,12 +110,12 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = jpaged.LLM(max_model_len=2048, dtype=args.dtype, block_size=args.block_size)
-    prompts, lengths = workload(args.mixed)
+    prompts, lengths = workload(args.mixed, args.single)
 
     def params(n: int) -> jpaged.SamplingParams:
         return jpaged.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
-    llm.generate(prompts[:4], [params(16)] * 4)  # as compare.sh warms up
+    llm.generate(prompts[:4], [params(16)] * len(prompts[:4]))  # as compare.sh warms up
     with tempfile.TemporaryDirectory() as trace_dir:
         start = time.perf_counter()
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
