@@ -407,6 +407,8 @@ def _merge(config: dict, change: dict) -> None:
         ("W4A16", dict(sparsity_config=dict(format="sparse-24-bitmask")), "sparsity_config format"),
         ("awq", dict(version="gemv"), "version='gemv'"),
         ("fp8_blocks", dict(fmt="e5m2"), "fmt 'e5m2'"),
+        ("fp8_blocks", dict(activation_scheme="static"), "activation_scheme 'static' with weight_block_size"),
+        ("fp8_blocks", dict(activation_scheme="per_token"), "activation_scheme 'per_token'"),
         ("FP8", _static_activations(strategy="group", group_size=128), "input_activations strategy 'group'"),
         ("FP8", _static_activations(strategy="token"), "input_activations strategy 'token'"),
         ("FP8", _static_activations(symmetric=False), "input_activations symmetric false"),
@@ -450,3 +452,35 @@ def test_convert_writes_the_matrices_kept_and_the_orbax_checkpoint_restores_them
     ]
     assert isinstance(dense, np.ndarray)
     assert relative_error(dense, dequantized(loaded.params["layers"]["mlp"]["down"])) < 1e-6
+
+
+@pytest.mark.parametrize("activation_scheme", ["static", "dynamic"])
+def test_an_fp8_checkpoint_with_a_scale_a_matrix_holds_what_compressed_tensors_fp8_holds(
+    activation_scheme, checkpoint, tmp_path
+):
+    """`quant_method: fp8` without blocks, as AutoFP8 writes it (`weight_scale` a matrix, `input_scale` where
+    activations are static) and vLLM reads it: the FP8 preset's own tensors under that config load as the same
+    matrices, their input scales applied only where the scheme is static."""
+    from safetensors.numpy import load_file, save_file
+
+    source = checkpoint("FP8")[0]
+    out = tmp_path / "autofp8"
+    shutil.copytree(source, out)
+    tensors = load_file(out / "model.safetensors")
+    if activation_scheme == "dynamic":
+        tensors = {name: t for name, t in tensors.items() if not name.endswith(".input_scale")}
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = dict(quant_method="fp8", activation_scheme=activation_scheme)
+    (out / "config.json").write_text(json.dumps(config))
+    ours, theirs = (
+        load_model(str(d), progress=False, keep_blocks=True).params["layers"] for d in (out, source)
+    )
+    for parent, name in (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down")):
+        mine, expected = ours[parent][name], theirs[parent][name]
+        np.testing.assert_array_equal(mine.values, expected.values)
+        np.testing.assert_array_equal(mine.scale, expected.scale)
+        if activation_scheme == "static":
+            np.testing.assert_array_equal(mine.input_scale, expected.input_scale)
+        else:
+            assert mine.input_scale is None
