@@ -23,7 +23,9 @@ def reader(quantization: dict) -> FormatReader:
     blocks = quantization.get("weight_block_size")
     activations = quantization.get("activation_scheme", "dynamic")
     if activations not in ("static", "dynamic"):
-        raise ValueError(f"quantization_config.activation_scheme {activations!r} is not 'static' or 'dynamic'")
+        raise ValueError(
+            f"quantization_config.activation_scheme {activations!r} is not 'static' or 'dynamic'"
+        )
     if activations == "static" and blocks:
         raise ValueError(
             "quantization_config.activation_scheme 'static' with weight_block_size is not supported"
