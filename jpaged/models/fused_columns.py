@@ -29,12 +29,16 @@ def split_fused(x: jax.Array, sizes: tuple[int, ...], groups: int) -> list[jax.A
     return [part.reshape(*x.shape[:-1], -1) for part in jnp.split(grouped, bounds, axis=-1)]
 
 
+def along_columns(array, weight) -> bool:
+    """Whether `array` (a weight, or one of a quantized matrix's (models.products.WholeLeaf) arrays) runs along the
+    weight's columns: its codes and its scales and biases per column do, a per-tensor scale does not."""
+    return np.shape(array)[-1] == weight.shape[-1]
+
+
 def by_columns(function: Callable[[jax.Array], jax.Array], weight):
-    """`function` (a rearrangement of the last axis) applied to a weight's columns: a float matrix's, or a
-    quantized matrix's (models.products.WholeLeaf) arrays that run along them - its codes, its scales and biases
-    per column - leaving a per-tensor one as it is."""
-    columns = weight.shape[-1]
-    return jax.tree_util.tree_map(lambda a: function(a) if np.shape(a)[-1] == columns else a, weight)
+    """`function` (a rearrangement of the last axis) applied to a weight's columns: a float matrix's, or those of a
+    quantized matrix's arrays that run along them (the others left as they are)."""
+    return jax.tree_util.tree_map(lambda a: function(a) if along_columns(a, weight) else a, weight)
 
 
 def group_fused_columns(params: dict, config: ModelConfig, groups: int) -> dict:

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpaged.models.config import ModelConfig
+from jpaged.models.fused_columns import along_columns
 from jpaged.models.llama import HEADS, MLP, QKV, VOCAB, abstract_params, partition_specs
 from jpaged.models.products import is_whole_leaf
 
@@ -101,28 +102,29 @@ def logits_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
 
 
 def place_sharded(params: dict, shardings: dict, columns: dict) -> dict:
-    """Host params (numpy) on the mesh, each device given only its part, cut from the host arrays: a leaf that
+    """Host params (numpy) on the mesh, each device given only its part, cut from the host arrays: a weight that
     `columns` names (its path -> the host column each of the step's columns comes from, for the fused matrices
-    whose KV heads are repeated and columns grouped per shard) is gathered column by column, the rest sliced. No
-    device ever holds a whole matrix, and a process builds only its own devices' parts."""
+    whose KV heads are repeated and columns grouped per shard) is gathered column by column (a quantized one's
+    arrays that run along its columns: fused_columns.along_columns), the rest sliced. No device ever holds a whole
+    matrix, and a process builds only its own devices' parts."""
 
-    def place(path, leaf: np.ndarray, sharding: NamedSharding) -> jax.Array:
-        weight = tuple(
-            key for key in path if isinstance(key, jax.tree_util.DictKey)
-        )  # a quantized one's arrays
-        source = columns.get(jax.tree_util.keystr(weight))
-        if source is not None and leaf.shape[-1] != source.max() + 1:
-            source = None  # not along the columns (a quantized matrix's per-tensor scale): as it is
-        shape = leaf.shape if source is None else (*leaf.shape[:-1], len(source))
+    def place_weight(path, weight, weight_shardings):
+        source = columns.get(jax.tree_util.keystr(path))
 
-        def part(index: tuple[slice, ...]) -> np.ndarray:
-            if source is None:
-                return leaf[index]
-            return leaf[(*index[:-1], source[index[-1]])]
+        def place(leaf: np.ndarray, sharding: NamedSharding) -> jax.Array:
+            picked = source if source is not None and along_columns(leaf, weight) else None
+            shape = leaf.shape if picked is None else (*leaf.shape[:-1], len(picked))
 
-        return jax.make_array_from_callback(shape, sharding, part)
+            def part(index: tuple[slice, ...]) -> np.ndarray:
+                if picked is None:
+                    return leaf[index]
+                return leaf[(*index[:-1], picked[index[-1]])]
 
-    return jax.tree_util.tree_map_with_path(place, params, shardings)
+            return jax.make_array_from_callback(shape, sharding, part)
+
+        return jax.tree_util.tree_map(place, weight, weight_shardings)
+
+    return jax.tree_util.tree_map_with_path(place_weight, params, shardings, is_leaf=is_whole_leaf)
 
 
 def place_restored(params: dict, shardings: dict, columns: dict) -> dict:

@@ -29,10 +29,10 @@ class WeightPlacement:
     products: MatrixProducts
     loaded_config: ModelConfig  # the weights' shapes as loaded
     kv_copies: int  # see tensor_parallel.kv_head_copies
-    shardings: dict | None = (
-        None  # each weight's NamedSharding over the mesh, as the step holds it; None: one device
-    )
-    arranged_shardings: dict | None = None  # the same before the products hold them (QuantizedProducts.hold)
+    # Each weight's NamedSharding over the mesh as the step holds it, and before the products hold it
+    # (QuantizedProducts.hold quantizes); None on one device.
+    shardings: dict | None = None
+    arranged_shardings: dict | None = None
 
     @classmethod
     def over(
