@@ -87,3 +87,10 @@ def test_plan_counts_the_weights_as_the_engine_holds_them(capsys):
     }
     assert weights["kept"] < 0.4 * weights["dense"] and weights["int8"] < 0.7 * weights["dense"]
     assert figure(kept, "sequences that fit at p95") > figure(dense, "sequences that fit at p95")
+    # Split three ways the blocks stay blocks, as the engine keeps them: a third of them a device.
+    split = plan(capsys, "chat_en.jsonl", "--tensor-parallel-size", "3")
+    assert "MiB uint8" in split
+    assert (
+        int(re.search(r"- ([\d,]+) bytes of weights", split).group(1).replace(",", ""))
+        == weights["kept"] // 3
+    )

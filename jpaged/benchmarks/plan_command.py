@@ -75,7 +75,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {args.concurrency}")
     tp = args.tensor_parallel_size
-    keep = args.quantization is None and tp == 1 and _holds_quantized_matrices(args.model)
+    keep = args.quantization is None and _holds_quantized_matrices(args.model)  # as the engine keeps them
     # The weights stay on disk, but for a quantized checkpoint served as it is (its matrices read to count them).
     model = load_model(args.model, jnp.dtype(args.dtype), progress=False, lazy=not keep, keep_blocks=keep)
     mc, dtype_bytes = model.config, DTYPE_BYTES[args.dtype]
