@@ -25,6 +25,7 @@ from jpaged.models.packed_weights import (
     block_scaled,
     float8_rows,
     rows_with_zeros,
+    static_input_scale,
     unpack_words,
 )
 from jpaged.models.params import GetTensor
@@ -141,4 +142,4 @@ def _input_scale(module: str, get: GetTensor, activations: dict) -> np.ndarray |
         raise ValueError(
             f"{module}: compressed-tensors input_activations symmetric false (a static zero point) is not supported"
         )
-    return np.asarray(get(f"{module}.input_scale"), np.float32).reshape(1, 1)
+    return static_input_scale(module, get)

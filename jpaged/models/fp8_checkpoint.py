@@ -10,7 +10,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from jpaged.models.packed_weights import FormatReader, Matrix, block_scaled
+from jpaged.models.packed_weights import FormatReader, Matrix, block_scaled, static_input_scale
 from jpaged.models.params import GetTensor
 from jpaged.models.quantized import QuantizedMatrix
 
@@ -43,8 +43,6 @@ def reader(quantization: dict) -> FormatReader:
         per_row = np.broadcast_to(scale.reshape(1, 1), (stored.shape[0], 1)).copy()
         if activations == "dynamic":
             return QuantizedMatrix(stored, per_row)
-        return QuantizedMatrix(
-            stored, per_row, np.asarray(get(f"{module}.input_scale"), np.float32).reshape(1, 1)
-        )
+        return QuantizedMatrix(stored, per_row, static_input_scale(module, get))
 
     return matrix_of

@@ -59,3 +59,9 @@ def block_scaled(stored: np.ndarray, block_scale: np.ndarray) -> Matrix:
         raise ValueError(f"block scales of {block_in} inputs do not divide the {inputs} inputs of a matrix")
     scale = np.repeat(np.asarray(block_scale, np.float32), block_out, axis=0)[:out]
     return float8_rows(stored, scale)
+
+
+def static_input_scale(module: str, get: GetTensor) -> np.ndarray:
+    """A W8A8 module's calibrated activation scale (`input_scale`, one a tensor) as QuantizedMatrix holds it, [1, 1]
+    float32."""
+    return np.asarray(get(f"{module}.input_scale"), np.float32).reshape(1, 1)
