@@ -30,6 +30,7 @@ TINY = dict(
     vocab_size=49152,  # the default tokenizer's vocabulary, so tiny models can take text
     rms_norm_eps=1e-5,
 )
+MOE = dict(num_experts=8, num_experts_per_tok=2)
 
 
 def _longrope(rotary_dim: int, **extra) -> dict:
@@ -130,6 +131,14 @@ TINY_FAMILIES = {
             mm_tokens_per_image=4,
         ),
     ),
+    # Mixtures of experts: 8 experts, 2 a token (MOE); Qwen3-MoE renormalising its top 2, Qwen2-MoE not and with
+    # its shared expert, Mixtral's experts as wide as its config's intermediate_size.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(TINY, **MOE, moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(TINY, **MOE, moe_intermediate_size=32, shared_expert_intermediate_size=96),
+    ),
+    "mixtral": ("MixtralConfig", dict(TINY, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)),
 }
 PRE_NNX_FAMILIES = ("llama", "llama3_rope", "mistral_sliding", "qwen2_bias", "qwen3_qk_norm", "smollm2_tied")
 
@@ -177,6 +186,11 @@ def _save_tiny(family: str, root: str) -> Path:
             for name, weight in model.named_parameters():
                 if name.endswith("norm.weight"):
                     weight.normal_(0.0, 0.5)
+    if getattr(config, "num_experts_per_tok", None):  # decisive routers: no near-tie between two experts
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith("gate.weight") and weight.shape[0] > 1:
+                    weight.normal_(0.0, 1.0)
     path = Path(root) / family
     model.save_pretrained(path)
     return path

@@ -53,6 +53,13 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # and on the final logits
     # Per-layer scales of K and V for float8 pages, read from the checkpoint (compressed-tensors' kv_cache_scheme)
     kv_cache_scales: bool = False
+    # Mixture of experts (models/moe.py): every layer's MLP is `num_experts` experts of `expert_intermediate_size`,
+    # each token taking its top `num_experts_per_tok`; 0 experts: a dense MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert every token takes (0: none)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -68,6 +75,11 @@ class ModelConfig:
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise ValueError(
                 f"layer_types names {len(self.sliding_layers)} layers, the model has {self.num_layers}"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts "
+                f"({self.num_experts})"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

@@ -10,7 +10,7 @@ The modules and their state (weights stored [in, out]; q/k/v and gate/up fused s
                lm_head [D, V] (absent when tied to the embedding)
   DecoderLayer attn_norm.weight, attn (qkv [D, (Hq + 2 Hk) Dh], qkv_bias (Qwen2), q_norm / k_norm.weight [Dh]
                (Qwen3, Gemma 3), o [Hq Dh, D]), attn_post_norm.weight (Gemma), mlp_norm.weight, mlp (gate_up
-               [D, 2F], down [F, D]), mlp_post_norm.weight (Gemma); every leaf stacked on a leading L axis (an
+               [D, 2F], down [F, D]; or a mixture of experts, moe.py), mlp_post_norm.weight (Gemma); every leaf stacked on a leading L axis (an
                `nnx.vmap`-built stack) so that `lax.scan` compiles one layer, not thirty. What differs between
                layers (Gemma's sliding-window layers, their RoPE base) is data indexed by the layer, so local and
                global layers are one program.
@@ -42,6 +42,7 @@ from flax import nnx
 from jpaged.models.batch import KVCache, StepBatch
 from jpaged.models.config import ModelConfig
 from jpaged.models.fused_columns import fused_sizes, split_fused
+from jpaged.models.moe import SparseMoE
 from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts
 from jpaged.models.rope import cos_sin, rotate
 
@@ -213,7 +214,7 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(config, dtype)
         self.attn_post_norm = _norm(config, d, dtype, EMBED) if post else None
         self.mlp_norm = _norm(config, d, dtype, EMBED)
-        self.mlp = GatedMLP(config, dtype)
+        self.mlp = SparseMoE(config, dtype) if config.num_experts else GatedMLP(config, dtype)
         self.mlp_post_norm = _norm(config, d, dtype, EMBED) if post else None
 
     def __call__(

@@ -24,12 +24,14 @@ GetTensor = Callable[[str], np.ndarray]  # transformers name -> array in transfo
 @dataclass(frozen=True)
 class LeafRecipe:
     """How one leaf of the state dict comes from transformers tensors: `names` joined along the last axis (in a
-    layer's names, "{i}" is the layer), linear weights transposed from transformers' [out, in], and a per-layer
-    leaf stacked over the layers on a new first axis."""
+    layer's names, "{i}" is the layer), linear weights transposed from transformers' [out, in], a per-expert leaf
+    (names with "{j}", the expert) stacked over the experts on a new first axis, and a per-layer leaf stacked over
+    the layers on a new first axis before it."""
 
     names: tuple[str, ...]
     transposed: bool = False
     per_layer: bool = True
+    per_expert: bool = False
 
 
 def hf_recipes(config: ModelConfig) -> dict[str, LeafRecipe]:
@@ -45,12 +47,18 @@ def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress
     recipes = hf_recipes(config)
 
     def read(recipe: LeafRecipe, layer: int | None) -> np.ndarray | WholeLeaf:
-        parts = [get(name.format(i=layer)) for name in recipe.names]
+        if recipe.per_expert:
+            experts = [read_one(recipe, layer, j) for j in range(config.num_experts)]
+            return np.stack([dequantized(expert) for expert in experts]).astype(dtype, copy=False)
+        return read_one(recipe, layer, None)
+
+    def read_one(recipe: LeafRecipe, layer: int | None, expert: int | None) -> np.ndarray | WholeLeaf:
+        parts = [get(name.format(i=layer, j=expert)) for name in recipe.names]
         scalar = lambda part: isinstance(part, np.ndarray) and part.ndim == 0  # noqa: E731 (a per-layer scale)
         parts = [part.reshape(1) if scalar(part) else part for part in parts]
         parts = [part.T for part in parts] if recipe.transposed else parts
         if any(isinstance(part, WholeLeaf) for part in parts):
-            joined = _joined(parts, [name.format(i=layer) for name in recipe.names])
+            joined = _joined(parts, [name.format(i=layer, j=expert) for name in recipe.names])
             if joined is not None:
                 return joined
             parts = [dequantized(part) for part in parts]
@@ -141,11 +149,25 @@ def random_params(config: ModelConfig, seed: int = 0, dtype=np.float32, std: flo
 
     def get(name: str) -> np.ndarray:
         leaf = ".".join(name.split(".")[-2:])
+        if config.num_experts and (".experts." in name or "shared_expert" in name or leaf == "gate.weight"):
+            return moe_tensor(name, leaf)
         if leaf.endswith("norm.weight"):  # the identity: (offset + w) = 1
             return np.full(shapes.get(leaf, (d,)), 1.0 - config.norm_offset, np.float32)
         if leaf.endswith(".bias"):
             return np.zeros(shapes[leaf], np.float32)
         return (rng.standard_normal(shapes[leaf]) * std).astype(np.float32)
+
+    def moe_tensor(name: str, leaf: str) -> np.ndarray:
+        """A mixture of experts' tensors, by the names of transformers' Qwen-MoE and Mixtral blocks."""
+        shared = ".shared_expert." in name
+        width = config.shared_expert_intermediate_size if shared else config.expert_intermediate_size
+        shape = {
+            "gate.weight": (config.num_experts, d),
+            "shared_expert_gate.weight": (1, d),
+            "down_proj.weight": (d, width),
+            "w2.weight": (d, width),
+        }.get(leaf, (width, d))  # gate_proj / up_proj, Mixtral's w1 / w3
+        return (rng.standard_normal(shape) * std).astype(np.float32)
 
     return params_from_hf_names(config, get, dtype, progress=False)
 

@@ -36,6 +36,12 @@ class WholeLeaf:
         return self
 
 
+def layer_matrices(layers: dict) -> dict[str, tuple[str, str]]:
+    """The LAYER_MATRICES a model's layers (its state's "layers" tree) hold: a mixture of experts has no dense
+    MLP (models/moe.py)."""
+    return {name: path for name, path in LAYER_MATRICES.items() if path[1] in layers.get(path[0], {})}
+
+
 def is_whole_leaf(x) -> bool:
     """Whether `x` is a WholeLeaf (for tree functions' `is_leaf`: a quantized matrix is one leaf, not its arrays)."""
     return isinstance(x, WholeLeaf)
@@ -76,6 +82,14 @@ class MatrixProducts(Protocol):
     ) -> jax.Array:
         """The MLP's activation act(x @ gate) * (x @ up) from layer `layer`'s gate_up matrix (as `layer` takes
         it), gate and up `sizes` wide, computed as `act_and_mul` computes it."""
+        ...
+
+    def experts(
+        self, name: str, weight: jax.Array, x: jax.Array, group_sizes: jax.Array, layer: jax.Array
+    ) -> jax.Array:
+        """Rows of x sorted by expert, group_sizes[e] of them expert e's (in expert order; rows past them are no
+        expert's and may be left anything), each times its expert's matrix `name` ("gate_up" or "down") of layer
+        `layer`'s experts; `weight` is that layer's stack [E, K, N]."""
         ...
 
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
@@ -134,8 +148,16 @@ class StackedProducts:
             self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups, activation
         )
 
+    def experts(self, name, weight, x, group_sizes, layer) -> jax.Array:
+        return grouped_product(weight, x, group_sizes)
+
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         return jnp.dot(h, weight.T if tied else weight, preferred_element_type=jnp.float32)
+
+
+def grouped_product(weight: jax.Array, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """XLA's grouped matrix product (`jax.lax.ragged_dot`): each run of rows times its group's matrix."""
+    return jax.lax.ragged_dot(x, weight, group_sizes)
 
 
 STACKED = StackedProducts()

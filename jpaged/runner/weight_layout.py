@@ -36,7 +36,9 @@ from jpaged.models.products import (
     MatrixProducts,
     StackedProducts,
     act_and_mul,
+    grouped_product,
     is_whole_leaf,
+    layer_matrices,
 )
 from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize
 from jpaged.pallas.cpu import grouped_matmul, int8_matmul
@@ -90,13 +92,16 @@ class PanelProducts:
     def for_params(cls, params: dict, activation: str = "silu") -> PanelProducts:
         """The panels of these params; the kernel's gated form computes SiLU only, so another `activation`
         (Gemma's) takes the unfused product."""
-        widths = tuple((name, _at(params["layers"], path).shape[-1]) for name, path in LAYER_MATRICES.items())
-        gated_form = activation == "silu" and cpu_matmul.gated_packs(dict(widths)["gate_up"])
+        matrices = layer_matrices(params["layers"])
+        widths = tuple((name, _at(params["layers"], path).shape[-1]) for name, path in matrices.items())
+        gated_form = (
+            "gate_up" in matrices and activation == "silu" and cpu_matmul.gated_packs(dict(widths)["gate_up"])
+        )
         return cls(widths, params["embed"]["weight"].shape[0], "lm_head" not in params, gated_form)
 
     def layout(self, params: dict) -> dict:
         laid_out = jax.tree_util.tree_map(lambda leaf: leaf, params)  # a copy of the dicts, not of the arrays
-        for name, path in LAYER_MATRICES.items():
+        for name, path in layer_matrices(params["layers"]).items():
             *parents, leaf = path
             node = _at(laid_out["layers"], parents)
             node[leaf] = self.layer_panels(node[leaf], gated=name == "gate_up" and self.gated_form)
@@ -130,6 +135,9 @@ class PanelProducts:
         return act_and_mul(
             self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups, activation
         )
+
+    def experts(self, name, weight, x, group_sizes, layer) -> jax.Array:
+        return grouped_product(weight, x, group_sizes)
 
     def lm_head(self, weight, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         if isinstance(weight, GroupedPanels):

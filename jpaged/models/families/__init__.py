@@ -3,12 +3,36 @@ declares). Adding a family is its module and one line here; README's family tabl
 
 from __future__ import annotations
 
-from jpaged.models.families import gemma2, gemma3, gemma3_image_text, llama, mistral, phi3, qwen2, qwen3
+from jpaged.models.families import (
+    gemma2,
+    gemma3,
+    gemma3_image_text,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from jpaged.models.families.family import Family
 
 FAMILIES: dict[str, Family] = {
     module.FAMILY.model_type: module.FAMILY
-    for module in (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, gemma3_image_text)
+    for module in (
+        llama,
+        mistral,
+        qwen2,
+        qwen3,
+        phi3,
+        gemma2,
+        gemma3,
+        gemma3_image_text,
+        qwen3_moe,
+        qwen2_moe,
+        mixtral,
+    )
 }
 
 

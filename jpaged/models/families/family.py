@@ -76,3 +76,43 @@ def llama_checkpoint(config: ModelConfig, fused_qkv: str | None = None, fused_ga
 def window_if_used(hf: Mapping[str, Any]) -> int | None:
     """The sliding window where `use_sliding_window` turns it on (Llama, Qwen2/3 configs carry one unused)."""
     return hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+
+
+def experts_checkpoint(
+    config: ModelConfig, block: str, router: str, experts: tuple[str, str, str], shared: bool = False
+) -> dict[str, LeafRecipe]:
+    """A mixture of experts' names (models/moe.py): Llama's attention, and in place of its MLP the block `block`
+    (after the layer's prefix) of a router `router` and experts "experts.{j}." with gate, up and down matrices
+    named `experts`; `shared`: Qwen2-MoE's shared expert and its gate."""
+    from jpaged.models.params import LeafRecipe
+
+    recipes = llama_checkpoint(config)
+    del recipes["layers/mlp/gate_up"], recipes["layers/mlp/down"]
+    moe = LAYER + block
+    gate, up, down = (moe + "experts.{j}." + name for name in experts)
+    recipes["layers/mlp/router"] = LeafRecipe((moe + router,), transposed=True)
+    recipes["layers/mlp/experts_gate_up"] = LeafRecipe((gate, up), transposed=True, per_expert=True)
+    recipes["layers/mlp/experts_down"] = LeafRecipe((down,), transposed=True, per_expert=True)
+    if shared:
+        names = (moe + "shared_expert.gate_proj.weight", moe + "shared_expert.up_proj.weight")
+        recipes["layers/mlp/shared_gate_up"] = LeafRecipe(names, transposed=True)
+        recipes["layers/mlp/shared_down"] = LeafRecipe(
+            (moe + "shared_expert.down_proj.weight",), transposed=True
+        )
+        recipes["layers/mlp/shared_gate"] = LeafRecipe((moe + "shared_expert_gate.weight",), transposed=True)
+    return recipes
+
+
+def moe_features(hf: Mapping[str, Any], expert_size_key: str = "moe_intermediate_size") -> dict[str, Any]:
+    """The mixture-of-experts fields of an HF config every layer of which is sparse (the Qwen-MoE configs'
+    `decoder_sparse_step` and `mlp_only_layers` can make some dense: one scanned layer program cannot hold both)."""
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise ValueError(
+            "decoder_sparse_step / mlp_only_layers: dense MLP layers among the sparse ones are not supported"
+        )
+    return dict(
+        num_experts=hf.get("num_experts") or hf["num_local_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        expert_intermediate_size=hf[expert_size_key],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    )
