@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import median_seconds  # noqa: E402  (scripts/ is on the path when run)
 
-from jpaged.models.products import act_and_mul  # noqa: E402
+from jpaged.models.activations import act_and_mul  # noqa: E402
 from jpaged.pallas.cpu import matmul as cpu_matmul  # noqa: E402
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N) per layer, in order

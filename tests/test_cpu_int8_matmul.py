@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_cpu_matmul import runnable_build
 
-from jpaged.models.products import act_and_mul
+from jpaged.models.activations import act_and_mul
 from jpaged.models.quantized import QuantizedMatrix, quantize, quantized_matmul
 from jpaged.pallas.cpu import int8_matmul
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.models.products import act_and_mul
+from jpaged.models.activations import act_and_mul
 from jpaged.pallas.cpu import library
 from jpaged.pallas.cpu import matmul as cpu_matmul
 

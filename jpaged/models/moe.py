@@ -1,8 +1,6 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router picks each token's top-k experts, and the
-experts' gated MLPs run as grouped matrix products over the step's (token, expert) pairs sorted by expert, so each
-expert multiplies only the rows routed to it: no dense loop over every expert, no token dropped, and the shapes
-fixed by the step's token count whatever the routing (the group sizes are data). Qwen2-MoE adds a shared expert
-every token takes, scaled by a sigmoid gate.
+"""The mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router picks each token's top-k experts and the
+products combine their gated MLPs (experts.py; MatrixProducts.mixture, which knows where the experts lie).
+Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate.
 
 State (a DecoderLayer's `mlp`, every leaf stacked on the layers' leading L axis): router [D, E], experts_gate_up
 [E, D, 2F] (each expert's gate|up), experts_down [E, F, D]; the shared expert's shared_gate_up [D, 2Fs],
@@ -17,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jpaged.models.activations import act_and_mul
 from jpaged.models.config import ModelConfig
-from jpaged.models.products import act_and_mul
+from jpaged.models.experts import route
 
 if TYPE_CHECKING:
     from jpaged.models.llama import StepContext
@@ -43,80 +42,13 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: jax.Array, layer: jax.Array, step: StepContext) -> jax.Array:
         c = self.config
         weights, experts = route(x @ self.router[...], c)
-        groups = step.products.fused_groups
-        out = routed_experts(
-            x,
-            weights,
-            experts,
-            self.experts_gate_up[...],
-            self.experts_down[...],
-            live=jnp.arange(x.shape[0]) < step.live_tokens,
-            product=lambda name, w, rows, sizes: step.products.experts(name, w, rows, sizes, layer),
-            activation=c.hidden_activation,
-            fused_groups=groups,
-        )
+        live = jnp.arange(x.shape[0]) < step.live_tokens
+        gate_up, down = self.experts_gate_up[...], self.experts_down[...]
+        out = step.products.mixture(x, weights, experts, gate_up, down, layer, live, c.hidden_activation)
         if self.shared_gate_up is None:
             return out
         fs = c.shared_expert_intermediate_size
+        groups = step.products.fused_groups
         shared = act_and_mul(x @ self.shared_gate_up[...], (fs, fs), groups, c.hidden_activation)
         gate = jax.nn.sigmoid(x @ self.shared_gate[...])
         return out + gate * (shared @ self.shared_down[...])
-
-
-def route(logits: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """Each token's top-k experts [T, k] (int32) and their weights [T, k] (logits' dtype) from the router's logits
-    [T, E], as transformers' Qwen-MoE and Mixtral routers compute them: softmax in float32 over every expert,
-    the top k, renormalised to sum to 1 where the config says (Mixtral always)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, experts = jax.lax.top_k(probs, config.num_experts_per_tok)
-    if config.norm_topk_prob:
-        top = top / top.sum(axis=-1, keepdims=True)
-    return top.astype(logits.dtype), experts.astype(jnp.int32)
-
-
-def routed_experts(
-    x: jax.Array,
-    weights: jax.Array,
-    experts: jax.Array,
-    gate_up: jax.Array,
-    down: jax.Array,
-    *,
-    live: jax.Array,
-    product,
-    activation: str = "silu",
-    fused_groups: int = 1,
-) -> jax.Array:
-    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for every live token t (padding rows give 0): the (token,
-    expert) pairs sorted by expert so `product(name, matrix stack, rows, group_sizes)` multiplies each expert's run
-    of rows by its matrix; pairs of padding tokens sort past every group and are computed by none."""
-    num_tokens, k = experts.shape
-    num_experts, _, width = gate_up.shape
-    expert_of = jnp.where(live[:, None], experts, num_experts).reshape(-1)  # padding: past the last group
-    order = jnp.argsort(expert_of, stable=True)
-    token_of = order // k
-    group_sizes = jnp.bincount(expert_of, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    h = product("gate_up", gate_up, x[token_of], group_sizes)
-    h = act_and_mul(h, (width // 2, width // 2), fused_groups, activation)
-    y = product("down", down, h, group_sizes)
-    pair_weight = jnp.where(live[token_of], weights.reshape(-1)[order], 0).astype(y.dtype)
-    y = jnp.where(pair_weight[:, None] != 0, y * pair_weight[:, None], 0)
-    return jnp.zeros((num_tokens, y.shape[-1]), y.dtype).at[token_of].add(y)
-
-
-def expert_counts(experts: jax.Array, live: jax.Array, num_experts: int) -> jax.Array:
-    """How many of the step's live tokens each expert took [E] (what the load-imbalance histogram counts)."""
-    expert_of = jnp.where(live[:, None], experts, num_experts).reshape(-1)
-    return jnp.bincount(expert_of, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-
-
-def dense_experts(
-    x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str
-) -> jax.Array:
-    """The same sum with every expert computed on every token and weighted by its routing weight (0 where not
-    chosen): the reference the grouped form is tested and benchmarked against."""
-    num_experts, _, width = gate_up.shape
-    h = jnp.einsum("td,edf->etf", x, gate_up)
-    h = act_and_mul(h, (width // 2, width // 2), 1, activation)
-    y = jnp.einsum("etf,efd->etd", h, down)
-    chosen = jax.nn.one_hot(experts, num_experts, dtype=weights.dtype) * weights[..., None]  # [T, k, E]
-    return jnp.einsum("etd,te->td", y, chosen.sum(axis=1).astype(y.dtype))

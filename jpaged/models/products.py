@@ -6,15 +6,16 @@ models/quantized.py's quantized matrices)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
+from jpaged.models.activations import act_and_mul
 from jpaged.models.config import ModelConfig
-from jpaged.models.fused_columns import group_fused_columns, split_fused
+from jpaged.models.experts import routed_experts
+from jpaged.models.fused_columns import group_fused_columns
 
 # Each layer matrix by the name the products know it by, and its path in a DecoderLayer's state.
 LAYER_MATRICES = {
@@ -92,25 +93,25 @@ class MatrixProducts(Protocol):
         `layer`'s experts; `weight` is that layer's stack [E, K, N]."""
         ...
 
+    def mixture(
+        self,
+        x: jax.Array,
+        weights: jax.Array,
+        experts: jax.Array,
+        gate_up: jax.Array,
+        down: jax.Array,
+        layer: jax.Array,
+        live: jax.Array,
+        activation: str,
+    ) -> jax.Array:
+        """Each live token's (`live` [T]) weighted sum of its routed experts' gated MLPs (experts.routed_experts:
+        `weights` and `experts` [T, k], layer `layer`'s expert stacks gate_up [E, D, 2F] and down [E, F, D]);
+        where the experts lie (one device, or split over a mesh) is the products' concern."""
+        ...
+
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         """float32 logits [R, V] of the final hidden states h [R, D]; `weight` is the embedding when tied."""
         ...
-
-
-# The gated MLP's activations by ModelConfig.hidden_activation (transformers' silu and gelu_pytorch_tanh).
-ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "silu": jax.nn.silu,
-    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
-}
-
-
-def act_and_mul(
-    gate_up: jax.Array, sizes: tuple[int, int], fused_groups: int, activation: str = "silu"
-) -> jax.Array:
-    """act(gate) * up of a gate|up product. The activation in float32, rounded once, as torch's does for bfloat16:
-    XLA's bfloat16 SiLU rounds after every op, each rounding a conversion of its own on CPU."""
-    gate, up = split_fused(gate_up, sizes, fused_groups)
-    return ACTIVATIONS[activation](gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,20 @@ class StackedProducts:
 
     def experts(self, name, weight, x, group_sizes, layer) -> jax.Array:
         return grouped_product(weight, x, group_sizes)
+
+    def mixture(self, x, weights, experts, gate_up, down, layer, live, activation) -> jax.Array:
+        product = functools.partial(self.experts, layer=layer)
+        return routed_experts(
+            x,
+            weights,
+            experts,
+            gate_up,
+            down,
+            live=live,
+            product=product,
+            activation=activation,
+            fused_groups=self.fused_groups,
+        )
 
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         return jnp.dot(h, weight.T if tied else weight, preferred_element_type=jnp.float32)

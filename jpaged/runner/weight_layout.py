@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.config import QUANTIZATIONS
+from jpaged.models.activations import act_and_mul
 from jpaged.models.config import ModelConfig
 from jpaged.models.grouped import (
     GROUPED,
@@ -35,7 +36,6 @@ from jpaged.models.products import (
     STACKED,
     MatrixProducts,
     StackedProducts,
-    act_and_mul,
     grouped_product,
     is_whole_leaf,
     layer_matrices,
@@ -138,6 +138,8 @@ class PanelProducts:
 
     def experts(self, name, weight, x, group_sizes, layer) -> jax.Array:
         return grouped_product(weight, x, group_sizes)
+
+    mixture = StackedProducts.mixture
 
     def lm_head(self, weight, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         if isinstance(weight, GroupedPanels):
