@@ -138,7 +138,10 @@ TINY_FAMILIES = {
         "Qwen2MoeConfig",
         dict(TINY, **MOE, moe_intermediate_size=32, shared_expert_intermediate_size=96),
     ),
-    "mixtral": ("MixtralConfig", dict(TINY, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)),
+    "mixtral": (
+        "MixtralConfig",
+        dict(TINY, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
+    ),
 }
 PRE_NNX_FAMILIES = ("llama", "llama3_rope", "mistral_sliding", "qwen2_bias", "qwen3_qk_norm", "smollm2_tied")
 
