@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jpaged.models.config import ModelConfig
-from jpaged.models.experts import dense_experts, expert_counts, route, routed_experts
+from jpaged.models.experts import dense_experts, expert_counts, route
 from jpaged.models.products import STACKED
 
 E, K, D, F = 6, 2, 16, 8
@@ -65,9 +65,8 @@ def test_grouped_experts_equal_the_dense_form_and_the_oracle_whatever_the_routin
     weights = rng.uniform(0.1, 1.0, (tokens, K)).astype(np.float32)
     live = np.arange(tokens) < live_tokens
 
-    product = functools.partial(STACKED.experts, layer=jnp.int32(0))
-    grouped = jax.jit(functools.partial(routed_experts, product=product))(
-        x, weights, experts, gate_up, down, live=jnp.asarray(live)
+    grouped = jax.jit(functools.partial(STACKED.mixture, activation="silu"))(
+        x, weights, experts, gate_up, down, jnp.int32(0), jnp.asarray(live)
     )
     dense = dense_experts(x, weights, experts, gate_up, down, "silu")
     expected = numpy_oracle(x, experts, weights, gate_up, down, live)

@@ -6,6 +6,8 @@ form, every expert on every token, is the reference."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -28,26 +30,22 @@ def routed_experts(
     x: jax.Array,
     weights: jax.Array,
     experts: jax.Array,
-    gate_up: jax.Array,
-    down: jax.Array,
+    num_experts: int,
     *,
     live: jax.Array,
-    product,
-    activation: str = "silu",
-    fused_groups: int = 1,
+    gated: Callable[[jax.Array, jax.Array], jax.Array],
+    down: Callable[[jax.Array, jax.Array], jax.Array],
 ) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for every live token t (padding rows give 0): the (token,
-    expert) pairs sorted by expert so `product(name, matrix stack, rows, group_sizes)` multiplies each expert's run
-    of rows by its matrix; pairs of padding tokens sort past every group and are computed by none."""
+    expert) pairs sorted by expert, so `gated(rows, group_sizes)` (act(x @ gate) * (x @ up) of each expert's run of
+    rows) and `down(h, group_sizes)` multiply each run by its expert's matrices; pairs of padding tokens sort past
+    every group and are computed by none."""
     num_tokens, k = experts.shape
-    num_experts, _, width = gate_up.shape
     expert_of = jnp.where(live[:, None], experts, num_experts).reshape(-1)  # padding: past the last group
     order = jnp.argsort(expert_of, stable=True)
     token_of = order // k
     group_sizes = jnp.bincount(expert_of, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    h = product("gate_up", gate_up, x[token_of], group_sizes)
-    h = act_and_mul(h, (width // 2, width // 2), fused_groups, activation)
-    y = product("down", down, h, group_sizes)
+    y = down(gated(x[token_of], group_sizes), group_sizes)
     pair_weight = jnp.where(live[token_of], weights.reshape(-1)[order], 0).astype(y.dtype)
     y = jnp.where(pair_weight[:, None] != 0, y * pair_weight[:, None], 0)
     return jnp.zeros((num_tokens, y.shape[-1]), y.dtype).at[token_of].add(y)

@@ -43,7 +43,7 @@ from jpaged.models.batch import KVCache, StepBatch
 from jpaged.models.config import ModelConfig
 from jpaged.models.fused_columns import fused_sizes, split_fused
 from jpaged.models.moe import SparseMoE
-from jpaged.models.products import LAYER_MATRICES, STACKED, MatrixProducts
+from jpaged.models.products import EXPERT_MATRICES, LAYER_MATRICES, STACKED, MatrixProducts
 from jpaged.models.rope import cos_sin, rotate
 
 # Logical axis names of the weights: tensor parallelism maps them onto mesh axes.
@@ -287,7 +287,7 @@ class CausalLM(nnx.Module):
             attention,
             products,
         )
-        whole_paths = {LAYER_MATRICES[name] for name in products.whole_matrices}
+        whole_paths = {{**LAYER_MATRICES, **EXPERT_MATRICES}[name] for name in products.whole_matrices}
         graphdef, whole, sliced = nnx.split(self.layers, lambda path, _: tuple(path) in whole_paths, ...)
 
         def layer(carry, xs):

@@ -5,7 +5,6 @@ models/quantized.py's quantized matrices)."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +34,10 @@ class WholeLeaf:
         if index is not Ellipsis:
             raise TypeError(f"a {type(self).__name__} is read whole ([...])")
         return self
+
+
+# A mixture of experts' stacks (models/moe.py), by the name the products know them by, and their paths.
+EXPERT_MATRICES = {"experts_gate_up": ("mlp", "experts_gate_up"), "experts_down": ("mlp", "experts_down")}
 
 
 def layer_matrices(layers: dict) -> dict[str, tuple[str, str]]:
@@ -85,12 +88,19 @@ class MatrixProducts(Protocol):
         it), gate and up `sizes` wide, computed as `act_and_mul` computes it."""
         ...
 
-    def experts(
-        self, name: str, weight: jax.Array, x: jax.Array, group_sizes: jax.Array, layer: jax.Array
+    def experts_gated(
+        self, weight: jax.Array, x: jax.Array, group_sizes: jax.Array, layer: jax.Array, activation: str
     ) -> jax.Array:
         """Rows of x sorted by expert, group_sizes[e] of them expert e's (in expert order; rows past them are no
-        expert's and may be left anything), each times its expert's matrix `name` ("gate_up" or "down") of layer
-        `layer`'s experts; `weight` is that layer's stack [E, K, N]."""
+        expert's and may be left anything), each run's act(x @ gate) * (x @ up) by its expert's gate|up in
+        `weight`: layer `layer`'s experts_gate_up [E, D, 2F] (or the whole stack, where the products take the
+        experts whole)."""
+        ...
+
+    def experts_down(
+        self, weight: jax.Array, x: jax.Array, group_sizes: jax.Array, layer: jax.Array
+    ) -> jax.Array:
+        """Each run of rows (as `experts_gated` takes them) times its expert's down matrix in `weight`."""
         ...
 
     def mixture(
@@ -149,21 +159,23 @@ class StackedProducts:
             self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups, activation
         )
 
-    def experts(self, name, weight, x, group_sizes, layer) -> jax.Array:
+    def experts_gated(self, weight, x, group_sizes, layer, activation) -> jax.Array:
+        width = weight.shape[-1]
+        h = grouped_product(weight, x, group_sizes)
+        return act_and_mul(h, (width // 2, width // 2), self.fused_groups, activation)
+
+    def experts_down(self, weight, x, group_sizes, layer) -> jax.Array:
         return grouped_product(weight, x, group_sizes)
 
     def mixture(self, x, weights, experts, gate_up, down, layer, live, activation) -> jax.Array:
-        product = functools.partial(self.experts, layer=layer)
         return routed_experts(
             x,
             weights,
             experts,
-            gate_up,
-            down,
+            gate_up.shape[-3],
             live=live,
-            product=product,
-            activation=activation,
-            fused_groups=self.fused_groups,
+            gated=lambda rows, sizes: self.experts_gated(gate_up, rows, sizes, layer, activation),
+            down=lambda h, sizes: self.experts_down(down, h, sizes, layer),
         )
 
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:

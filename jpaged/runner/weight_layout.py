@@ -21,6 +21,7 @@ import numpy as np
 from jpaged.config import QUANTIZATIONS
 from jpaged.models.activations import act_and_mul
 from jpaged.models.config import ModelConfig
+from jpaged.models.experts import routed_experts
 from jpaged.models.grouped import (
     GROUPED,
     GroupedMatrix,
@@ -32,16 +33,16 @@ from jpaged.models.grouped import (
 )
 from jpaged.models.llama import params_dtype
 from jpaged.models.products import (
+    EXPERT_MATRICES,
     LAYER_MATRICES,
     STACKED,
     MatrixProducts,
     StackedProducts,
-    grouped_product,
     is_whole_leaf,
     layer_matrices,
 )
 from jpaged.models.quantized import QuantizedMatrix, QuantizedProducts, quantize
-from jpaged.pallas.cpu import grouped_matmul, int8_matmul
+from jpaged.pallas.cpu import expert_matmul, grouped_matmul, int8_matmul
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.pallas.cpu import matmul as cpu_matmul
 from jpaged.runner.gpu_grouped_layout import KERNEL_GROUPED
@@ -85,7 +86,9 @@ class PanelProducts:
     vocab_size: int
     tied: bool
     gated_form: bool = False
-    whole_matrices: tuple[str, ...] = tuple(LAYER_MATRICES)
+    expert_widths: tuple[int, int] = (0, 0)  # a mixture of experts' gate_up and down output sizes (2F, D)
+    experts_gated_form: bool = False  # its gate|up packed for the gated form
+    whole_matrices: tuple[str, ...] = (*LAYER_MATRICES, *EXPERT_MATRICES)
     fused_groups: int = 1
 
     @classmethod
@@ -97,7 +100,12 @@ class PanelProducts:
         gated_form = (
             "gate_up" in matrices and activation == "silu" and cpu_matmul.gated_packs(dict(widths)["gate_up"])
         )
-        return cls(widths, params["embed"]["weight"].shape[0], "lm_head" not in params, gated_form)
+        mlp, vocab_size = params["layers"]["mlp"], params["embed"]["weight"].shape[0]
+        if "experts_gate_up" not in mlp:
+            return cls(widths, vocab_size, "lm_head" not in params, gated_form)
+        expert_widths = (mlp["experts_gate_up"].shape[-1], mlp["experts_down"].shape[-1])
+        experts_gated = activation == "silu" and cpu_matmul.gated_packs(expert_widths[0])
+        return cls(widths, vocab_size, "lm_head" not in params, gated_form, expert_widths, experts_gated)
 
     def layout(self, params: dict) -> dict:
         laid_out = jax.tree_util.tree_map(lambda leaf: leaf, params)  # a copy of the dicts, not of the arrays
@@ -105,6 +113,10 @@ class PanelProducts:
             *parents, leaf = path
             node = _at(laid_out["layers"], parents)
             node[leaf] = self.layer_panels(node[leaf], gated=name == "gate_up" and self.gated_form)
+        mlp = laid_out["layers"]["mlp"]
+        if "experts_gate_up" in mlp:  # [L, E, K, N] -> [L, E, P, K, 16]
+            mlp["experts_gate_up"] = _panels(mlp["experts_gate_up"], gated=self.experts_gated_form)
+            mlp["experts_down"] = _panels(mlp["experts_down"])
         if self.tied:
             laid_out["embed"]["weight"] = _panels(params["embed"]["weight"].T)
         else:
@@ -136,10 +148,26 @@ class PanelProducts:
             self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups, activation
         )
 
-    def experts(self, name, weight, x, group_sizes, layer) -> jax.Array:
-        return grouped_product(weight, x, group_sizes)
+    def experts_gated(self, weight, x, group_sizes, layer, activation) -> jax.Array:
+        width = self.expert_widths[0]
+        if self.experts_gated_form:
+            return expert_matmul.gated_matmul(x, weight, group_sizes, width // 2, layer=layer)
+        h = expert_matmul.matmul(x, weight, group_sizes, width, layer=layer)
+        return act_and_mul(h, (width // 2, width // 2), self.fused_groups, activation)
 
-    mixture = StackedProducts.mixture
+    def experts_down(self, weight, x, group_sizes, layer) -> jax.Array:
+        return expert_matmul.matmul(x, weight, group_sizes, self.expert_widths[1], layer=layer)
+
+    def mixture(self, x, weights, experts, gate_up, down, layer, live, activation) -> jax.Array:
+        return routed_experts(
+            x,
+            weights,
+            experts,
+            gate_up.shape[1],  # the panels [L, E, P, K, 16]
+            live=live,
+            gated=lambda rows, sizes: self.experts_gated(gate_up, rows, sizes, layer, activation),
+            down=lambda h, sizes: self.experts_down(down, h, sizes, layer),
+        )
 
     def lm_head(self, weight, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
         if isinstance(weight, GroupedPanels):

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (paged_attention.cc, matmul.cc, grouped_matmul.cc, int8_matmul.cc) as one shared library, built on first use and
+"""The C++ CPU kernels (paged_attention.cc, matmul.cc, grouped_matmul.cc, int8_matmul.cc, expert_matmul.cc) as one shared library, built on first use and
 registered with XLA as FFI targets.
 
 It is compiled with the machine's C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib ships, for this
@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = tuple(
-    _HERE / name for name in ("paged_attention.cc", "matmul.cc", "grouped_matmul.cc", "int8_matmul.cc")
+    _HERE / name
+    for name in ("paged_attention.cc", "matmul.cc", "grouped_matmul.cc", "int8_matmul.cc", "expert_matmul.cc")
 )
 HEADERS = (_HERE / "kernel.h", _HERE / "panels.h")
 # FFI target name -> exported handler symbol
@@ -39,6 +40,8 @@ TARGETS = {
     "jpaged_grouped_matmul_gated": "JpagedGroupedMatmulGated",
     "jpaged_int8_matmul": "JpagedInt8Matmul",
     "jpaged_int8_matmul_gated": "JpagedInt8MatmulGated",
+    "jpaged_expert_matmul": "JpagedExpertMatmul",
+    "jpaged_expert_matmul_gated": "JpagedExpertMatmulGated",
 }
 # What the kernels compute on (kernel.h converts bfloat16 to and from float32; float16 is not handled).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
