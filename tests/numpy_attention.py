@@ -2,6 +2,9 @@
 
 Written from the contract, not from any kernel: gather each sequence's keys page by page, score every query
 token against every position it may see, softmax in float64. Padding rows come back as zeros.
+
+`sinks` (gpt-oss, one logit a query head) join each row's softmax as one more column with no value, as
+transformers' GptOssAttention concatenates them to the logits and drops their column after the softmax.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ def ragged_paged_attention_numpy(
     sm_scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks=None,
 ) -> np.ndarray:
-    """q [T, Hq, D], pages [N, B, Hk, D] -> float64 [T, Hq, D]."""
+    """q [T, Hq, D], pages [N, B, Hk, D], sinks [Hq] or None -> float64 [T, Hq, D]."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     kv_lens, block_tables, query_start = (np.asarray(x) for x in (kv_lens, block_tables, query_start))
     num_tokens, num_q_heads, head_dim = q.shape
@@ -46,7 +50,11 @@ def ragged_paged_attention_numpy(
         if sliding_window is not None and sliding_window > 0:  # an array window <= 0: none
             visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = np.where(visible[None], scores, -np.inf)
+        if sinks is not None:  # the sink's column: [Hq, tokens, 1], never masked, never capped
+            sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (*scores.shape[:2], 1))
+            scores = np.concatenate([scores, sink], axis=-1)
         weights = np.exp(scores - scores.max(-1, keepdims=True))
         weights /= weights.sum(-1, keepdims=True)
+        weights = weights[..., :kv_len]  # the sink's column, if any, has no value
         out[begin:end] = np.einsum("htk,khd->thd", weights, values)
     return out

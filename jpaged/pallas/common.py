@@ -1,5 +1,5 @@
-"""What the attention kernels share: the input checks of their contract, the window and KV scales as operands, the
-tile-to-sequence search, and the pages form of a stacked-cache kernel."""
+"""What the attention kernels share: the input checks of their contract, the window, KV scales and sinks as
+operands, the tile-to-sequence search, and the pages form of a stacked-cache kernel."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def check_inputs(
     soft_cap,
     k_scale=1.0,
     v_scale=1.0,
+    sinks=None,
 ):
     """Static checks shared by the kernels; raises ValueError naming the field."""
     if q.ndim != 3:
@@ -54,6 +55,7 @@ def check_inputs(
     check_window(sliding_window)
     check_scale("k_scale", k_scale)
     check_scale("v_scale", v_scale)
+    check_sinks(sinks, q.shape[1])
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"logits_soft_cap must be positive, got {soft_cap}")
 
@@ -117,6 +119,25 @@ def scale_operand(scale) -> jax.Array:
     return jnp.asarray(scale, jnp.float32).reshape(1)
 
 
+def check_sinks(sinks, num_q_heads: int) -> None:
+    """Sinks (gpt-oss) are None or a float32 array [Hq], one logit a query head, possibly traced (such as
+    `sinks[layer]` in the scan over the layers)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
+        raise ValueError(f"sinks must be None or a float32 array [{num_q_heads}], got {type(sinks).__name__}")
+    if sinks.dtype != jnp.float32 or sinks.shape != (num_q_heads,):
+        raise ValueError(
+            f"sinks must be float32[{num_q_heads}] (one a query head), got {sinks.dtype}{list(sinks.shape)}"
+        )
+
+
+def sinks_operand(sinks: jax.Array) -> jax.Array:
+    """Sinks as the kernels take them: float32 [Hq], a -inf (no sink) read as NEG_INF like a masked score, so no
+    running maximum starts at -inf (-inf minus -inf is NaN)."""
+    return jnp.maximum(jnp.asarray(sinks, jnp.float32), NEG_INF)
+
+
 def unbounded_if_none(window: jax.Array) -> jax.Array:
     """A kernel's window from the operand's value: one no key reaches past when it is <= 0 (no window), so the
     window's bounds and masks need no branch on it."""
@@ -142,8 +163,8 @@ def find_tile_sequence(query_start_ref, tile, num_seqs, tile_tokens: int, search
 
 def over_pages(stacked: Callable) -> Callable:
     """The pages form of a stacked-cache kernel, `fn(q, k_pages, v_pages, kv_lens, block_tables, query_start,
-    num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0, interpret=False)`:
-    the cache as one layer."""
+    num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0, sinks=None,
+    interpret=False)`: the cache as one layer."""
 
     def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *metadata, **options):
         """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]` (contract in jpaged.pallas); returns [T, Hq, D]."""

@@ -11,6 +11,9 @@ over chunks of each sequence's own pages, with loop trip counts taken from the d
 once; the other tokens of prefill chunks go tile by tile through a loop over the sequences up to the last
 prefill (the scheduler puts running decodes first, so a decode step runs no iteration of it).
 
+Sinks (gpt-oss: a logit a query head that joins every row's softmax denominator and has no value) start each
+row's online softmax: running maximum the sink, running sum 1 (its exp at that maximum).
+
 Pages may be float8_e4m3fn (`--kv-cache-dtype fp8`): widened to float32 like the others, the K scale folded into
 the queries' scale and the V scale into the output, so no page element is multiplied.
 
@@ -27,8 +30,10 @@ from jpaged.pallas.common import (
     NEG_INF,
     check_dtypes,
     check_scale,
+    check_sinks,
     check_window,
     scale_operand,
+    sinks_operand,
     window_operand,
 )
 from jpaged.rounding import cdiv
@@ -55,6 +60,7 @@ def ragged_paged_attention_reference(
     logits_soft_cap: float | None = None,
     k_scale: float | jax.Array = 1.0,
     v_scale: float | jax.Array = 1.0,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Attention of `q` [T, Hq, D] over pages `[N, B, Hk, D]`; see jpaged.pallas for the full contract."""
@@ -73,6 +79,7 @@ def ragged_paged_attention_reference(
         logits_soft_cap=logits_soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
     )
 
 
@@ -91,6 +98,7 @@ def paged_attention_stacked(
     logits_soft_cap: float | None = None,
     k_scale: float | jax.Array = 1.0,
     v_scale: float | jax.Array = 1.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The reference over one layer of a stacked cache `[L, N, B, Hk, D]`.
 
@@ -101,11 +109,13 @@ def paged_attention_stacked(
     check_window(sliding_window)
     check_scale("k_scale", k_scale)
     check_scale("v_scale", v_scale)
+    check_sinks(sinks, q.shape[1])
     score_scale = sm_scale * scale_operand(k_scale)[0]
     window = None if sliding_window is None else window_operand(sliding_window)[0]
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
     group = num_q_heads // num_kv_heads
+    head_sinks = None if sinks is None else sinks_operand(sinks).reshape(num_kv_heads, 1, group)
     width = block_tables.shape[1]
     num_seq_slots = kv_lens.shape[0]
     seq_ids = jnp.arange(num_seq_slots)
@@ -152,11 +162,11 @@ def paged_attention_stacked(
             return m_new, denom, acc
 
         stats = (seqs, num_kv_heads, rows, group)
-        init = (
-            jnp.full(stats, NEG_INF, jnp.float32),
-            jnp.zeros(stats, jnp.float32),
-            jnp.zeros((*stats, head_dim)),
-        )
+        if head_sinks is None:
+            start = (jnp.full(stats, NEG_INF, jnp.float32), jnp.zeros(stats, jnp.float32))
+        else:  # each row's softmax starts from its head's sink: maximum the sink, sum 1 (the sink's exp)
+            start = (jnp.broadcast_to(head_sinks, stats), jnp.ones(stats, jnp.float32))
+        init = (*start, jnp.zeros((*stats, head_dim)))
         _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
         return (acc / jnp.maximum(denom, 1e-30)[..., None]).transpose(0, 2, 1, 3, 4)
 
