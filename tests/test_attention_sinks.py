@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from lowering import TRITON_CALL, export_text
 from numpy_attention import ragged_paged_attention_numpy
 from test_pallas_attention import (
     STACKED,
@@ -28,17 +29,24 @@ from test_pallas_attention import (
     sm_scale,
     step_of_lengths,
 )
+from test_pallas_lowering import MOSAIC_TPU_CALL, step_shapes
+
+from jpaged.pallas import gpu, tpu
 
 # Two decodes, a prefill chunk after 36 cached keys, a first prompt chunk and a padding slot; 16-token pages.
 BUCKET = Bucket(num_tokens=48, num_seq_slots=5, max_q_len=24, max_context=40)
 Q_LENS, KV_LENS = [1, 1, 24, 13], [45, 9, 60, 13]
 WINDOW = 20
 
-KERNELS = ["reference"]  # the XLA reference
+KERNELS = ["reference", "gpu", "tpu"]  # the XLA reference, the Pallas kernels (interpreted)
 # kernel, dtype, KV heads, group, head dim, window
 CASES = [
     ("reference", "float32", 2, 4, 32, None),
     ("reference", "bfloat16", 2, 4, 32, WINDOW),
+    ("gpu", "float32", 2, 4, 32, None),
+    ("gpu", "bfloat16", 2, 4, 32, WINDOW),
+    ("tpu", "float32", 2, 4, 32, WINDOW),
+    ("tpu", "bfloat16", 2, 4, 32, None),
 ]
 
 
@@ -184,3 +192,45 @@ def test_bad_sinks_raise_value_error_naming_the_field(kernel, case):
     q, k_cache, v_cache, *metadata = args
     with pytest.raises(ValueError, match=message):
         STACKED[kernel](q, k_cache, v_cache, jnp.int32(0), *metadata, sm_scale=0.1, sinks=sinks)
+
+
+# The Pallas kernels: the GPU one splitting the KV range, both lowered for their devices.
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_split_kv_decode_counts_each_sink_once(num_splits):
+    """The GPU kernel's KV range split (16 keys a step: up to four steps a sequence, so every split sees keys): the
+    sink joins the first split's part only, and the combine sees it once."""
+    cfg, step, args, sinks = draw(("gpu", "float32", 2, 4, 32, None), f"-splits{num_splits}")
+    tiling = gpu.GpuTiling(rows=16, kv_tokens=16)
+    out = run(cfg, args, sinks, tiling=tiling, num_splits=num_splits)
+    assert relative_error(out, oracle(cfg, args, sinks), step) < TOLERANCE[cfg.dtype]
+
+
+GPT_OSS_HEADS = (64, 8, 64)  # query heads, KV heads, head dim of gpt-oss-20b and -120b
+
+
+@pytest.mark.parametrize("bucket", ["decode-few", "prefill"])
+@pytest.mark.parametrize(
+    ("module", "platform", "call"),
+    [(gpu, "cuda", TRITON_CALL), (tpu, "tpu", MOSAIC_TPU_CALL)],
+    ids=["gpu", "tpu"],
+)
+def test_kernels_lower_with_each_layers_sinks_as_data(module, platform, call, bucket):
+    """gpt-oss's heads, bfloat16: each layer's sinks (and window) indexed inside the scan, one kernel in the
+    step (in decode-few, the GPU kernel splits the KV range)."""
+    q, k_pages, _, *metadata = step_shapes(bucket, GPT_OSS_HEADS, jnp.bfloat16)
+    num_layers = 2
+    cache = jax.ShapeDtypeStruct((num_layers, *k_pages.shape), k_pages.dtype)
+    windows = jax.ShapeDtypeStruct((num_layers,), jnp.int32)
+    sinks = jax.ShapeDtypeStruct((num_layers, GPT_OSS_HEADS[0]), jnp.float32)
+    attend = functools.partial(module.ragged_paged_attention_stacked, sm_scale=0.125)
+
+    def all_layers(q, k_cache, v_cache, windows, sinks, *metadata):
+        def layer(x, i):
+            return attend(x, k_cache, v_cache, i, *metadata, sliding_window=windows[i], sinks=sinks[i]), None
+
+        return lax.scan(layer, q, jnp.arange(num_layers, dtype=jnp.int32))[0]
+
+    text = export_text(all_layers, platform, [q, cache, cache, windows, sinks, *metadata])
+    assert text.count(f"custom_call @{call}(") == 1

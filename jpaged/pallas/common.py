@@ -138,6 +138,12 @@ def sinks_operand(sinks: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.asarray(sinks, jnp.float32), NEG_INF)
 
 
+def floats_operand(k_scale, v_scale, sinks) -> jax.Array:
+    """The kernels' float scalars as one float32 operand: k_scale, v_scale, then the Hq sinks where there are some."""
+    with_sinks = [] if sinks is None else [sinks_operand(sinks)]
+    return jnp.concatenate([scale_operand(k_scale), scale_operand(v_scale), *with_sinks])
+
+
 def unbounded_if_none(window: jax.Array) -> jax.Array:
     """A kernel's window from the operand's value: one no key reaches past when it is <= 0 (no window), so the
     window's bounds and masks need no branch on it."""

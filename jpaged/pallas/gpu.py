@@ -16,6 +16,10 @@ from its first query's sliding-window start). Softmax is online, in float32.
 FP8 pages (float8_e4m3fn) are loaded as they are and widened to q's dtype in registers before the dots; the K scale
 multiplies the scores' scale and the V scale the output (operands, so one program serves every layer's).
 
+Sinks (gpt-oss), when given, follow the two scales in the same operand, one a query head: each row's online softmax
+starts from its head's sink (running maximum the sink, running sum 1), in the first split only, so that the
+combine counts it once.
+
 Tilings are static: a decode-heavy step (T <= 2 S) uses 16-row tiles, anything else 64-row tiles.
 
 Split-KV (flash-decoding): a decode bucket with few sequence slots would give the GPU only Hk x S programs (3 x 1
@@ -39,8 +43,8 @@ from jpaged.pallas.common import (
     NEG_INF,
     check_inputs,
     find_tile_sequence,
+    floats_operand,
     over_pages,
-    scale_operand,
     unbounded_if_none,
     window_operand,
 )
@@ -83,7 +87,7 @@ def choose_num_splits(num_tokens: int, num_seq_slots: int, num_kv_heads: int, ma
 def _kernel(
     layer_ref,  # [1]
     window_ref,  # [1], <= 0: no window (read only when `windowed`)
-    kv_scales_ref,  # [2] float32: k_scale, v_scale
+    floats_ref,  # [2] float32: k_scale, v_scale; [2 + Hq] with sinks, each query head's sink after them
     kv_lens_ref,  # [S]
     block_tables_ref,  # [S, P]
     query_start_ref,  # [S + 1]
@@ -95,6 +99,7 @@ def _kernel(
     sm_scale: float,
     windowed: bool,
     soft_cap: float | None,
+    has_sinks: bool,
     tiling: GpuTiling,
     group: int,
     search_steps: int,
@@ -146,7 +151,7 @@ def _kernel(
         kv_begin = kv_begin // block_size * block_size
         num_steps = pl.cdiv(kv_end - kv_begin, kv_tokens)
         precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # DEFAULT would mean TF32
-        score_scale = sm_scale * kv_scales_ref[0]
+        score_scale = sm_scale * floats_ref[0]
 
         def step(i, carry):
             m, denom, acc = carry
@@ -184,16 +189,21 @@ def _kernel(
             )
             return m_new, denom, acc * correction[:, None] + pv
 
-        init = (
-            jnp.full((rows,), NEG_INF, jnp.float32),
-            jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, lanes), jnp.float32),
-        )
+        if has_sinks:  # the sink joins a row's softmax once: in the first split's part (max the sink, sum 1)
+            sink = pltriton.load(floats_ref.at[2 + head_idx[:, 0]])
+            first = split == 0
+            start = (
+                jnp.where(first, sink, NEG_INF),
+                jnp.ones((rows,), jnp.float32) * first.astype(jnp.float32),
+            )
+        else:
+            start = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
+        init = (*start, jnp.zeros((rows, lanes), jnp.float32))
         steps_per_split = pl.cdiv(num_steps, num_splits)
         first_step = split * steps_per_split
         last_step = jnp.minimum(first_step + steps_per_split, num_steps)
         m, denom, acc = lax.fori_loop(first_step, last_step, step, init)
-        acc = acc * kv_scales_ref[1]
+        acc = acc * floats_ref[1]
         store_mask = row_valid[:, None] & dim_ok
         if num_splits == 1:
             (out_ref,) = results
@@ -222,6 +232,7 @@ def ragged_paged_attention_stacked(
     logits_soft_cap: float | None = None,
     k_scale: float | jax.Array = 1.0,
     v_scale: float | jax.Array = 1.0,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
     tiling: GpuTiling | None = None,
     num_splits: int | None = None,
@@ -242,6 +253,7 @@ def ragged_paged_attention_stacked(
         logits_soft_cap,
         k_scale,
         v_scale,
+        sinks,
     )
     if k_cache.ndim != 5:
         raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
@@ -262,6 +274,7 @@ def ragged_paged_attention_stacked(
         sm_scale=float(sm_scale),
         windowed=sliding_window is not None,
         soft_cap=logits_soft_cap,
+        has_sinks=sinks is not None,
         tiling=tiling,
         group=group,
         search_steps=max(1, int(num_seq_slots).bit_length()),
@@ -285,7 +298,7 @@ def ragged_paged_attention_stacked(
     metadata = (
         jnp.reshape(layer, (1,)).astype(jnp.int32),
         window,
-        jnp.concatenate([scale_operand(k_scale), scale_operand(v_scale)]),
+        floats_operand(k_scale, v_scale, sinks),
         kv_lens,
         block_tables,
         query_start,

@@ -15,7 +15,8 @@ to the next sequence are rewritten by that sequence's tiles, which run later —
 FP8 pages (float8_e4m3fn) come into VMEM as they are; each head's rows are taken out as 32-bit words of four rows
 and decoded to float32 with integer operations (no fp8 arithmetic asked of the TPU), then widened or narrowed to
 q's dtype before the dots. The K scale multiplies the scores' scale and the V scale the output, both scalars
-prefetched into SMEM beside the window.
+prefetched into SMEM beside the window. Sinks (gpt-oss), when given, follow the two scales there, one a query head:
+each row's online softmax starts from its head's sink (running maximum the sink, running sum 1).
 
 Layout limits come from Mosaic tiling: Hk must tile VMEM without padding (by the pages' dtype) — float32: 1, 2, 4, 8
 or a multiple of 8; bfloat16: 2, 4, 8, 16 or a multiple of 16; float8_e4m3fn: 4, 8, 16, 32 or a multiple of 32 —
@@ -37,8 +38,8 @@ from jpaged.pallas.common import (
     NEG_INF,
     check_inputs,
     find_tile_sequence,
+    floats_operand,
     over_pages,
-    scale_operand,
     unbounded_if_none,
     window_operand,
 )
@@ -131,7 +132,7 @@ def _kernel(
     # scalar prefetch (SMEM)
     layer_ref,  # [1]
     window_ref,  # [1], <= 0: no window (read only when `windowed`)
-    kv_scales_ref,  # [2] float32: k_scale, v_scale
+    floats_ref,  # [2] float32: k_scale, v_scale; [2 + Hq] with sinks, each query head's sink after them
     kv_lens_ref,  # [S]
     tables_ref,  # [S * P]
     query_start_ref,  # [S + 1]
@@ -157,6 +158,7 @@ def _kernel(
     sm_scale: float,
     windowed: bool,
     soft_cap: float | None,
+    has_sinks: bool,
     table_width: int,
     search_steps: int,
     interpret: bool,
@@ -207,8 +209,17 @@ def _kernel(
 
         for copy in kv_copies(0, 0):
             copy.start()
-        m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        if has_sinks:  # each row's softmax starts from its head's sink: maximum the sink, sum 1
+            row_head = lax.rem(lax.broadcasted_iota(jnp.int32, (rows, _LANES), 0), group)  # rows: (token, g)
+            for h in range(num_kv_heads):
+                start = jnp.full((rows, _LANES), NEG_INF, jnp.float32)
+                for g in range(group):
+                    start = jnp.where(row_head == g, floats_ref[2 + h * group + g], start)
+                m_ref[h] = start
+            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         q_copy.wait()
         for h in range(num_kv_heads):
@@ -217,7 +228,7 @@ def _kernel(
                 q_h = q_h.astype(jnp.float32)
             q_rows[h] = q_h.reshape(rows, head_dim).astype(q_rows.dtype)
 
-        score_scale = sm_scale * kv_scales_ref[0]
+        score_scale = sm_scale * floats_ref[0]
         row_token = first_token + lax.div(lax.broadcasted_iota(jnp.int32, (rows, kv_tokens), 0), group)
         q_pos = kv_len - q_len + row_token
 
@@ -272,7 +283,7 @@ def _kernel(
         lax.fori_loop(0, num_steps, step_body, 0)
         for h in range(num_kv_heads):
             denom = _lanes(l_ref[h], head_dim)
-            out = acc_ref[h] * kv_scales_ref[1] / jnp.where(denom > 0, denom, 1.0)
+            out = acc_ref[h] * floats_ref[1] / jnp.where(denom > 0, denom, 1.0)
             o_buf[:, h] = out.reshape(tile_tokens, group, head_dim).astype(o_buf.dtype)
         out_copy = pltpu.make_async_copy(o_buf, out_hbm.at[pl.ds(row0, tile_tokens)], io_sem)
         out_copy.start()
@@ -294,6 +305,7 @@ def ragged_paged_attention_stacked(
     logits_soft_cap: float | None = None,
     k_scale: float | jax.Array = 1.0,
     v_scale: float | jax.Array = 1.0,
+    sinks: jax.Array | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     tile_tokens: int | None = None,
 ) -> jax.Array:
@@ -314,6 +326,7 @@ def ragged_paged_attention_stacked(
         logits_soft_cap,
         k_scale,
         v_scale,
+        sinks,
     )
     if k_cache.ndim != 5:
         raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
@@ -345,7 +358,7 @@ def ragged_paged_attention_stacked(
     scalars = (
         jnp.reshape(layer, (1,)).astype(jnp.int32),
         window_operand(sliding_window),
-        jnp.concatenate([scale_operand(k_scale), scale_operand(v_scale)]),
+        floats_operand(k_scale, v_scale, sinks),
         kv_lens,
         block_tables.reshape(-1),  # 1-D: a 2-D SMEM array pads its rows
         query_start,
@@ -356,6 +369,7 @@ def ragged_paged_attention_stacked(
         sm_scale=float(sm_scale),
         windowed=sliding_window is not None,
         soft_cap=logits_soft_cap,
+        has_sinks=sinks is not None,
         table_width=table_width,
         search_steps=max(1, int(num_seq_slots).bit_length()),
         interpret=bool(interpret),
