@@ -38,11 +38,18 @@ BUCKET = Bucket(num_tokens=48, num_seq_slots=5, max_q_len=24, max_context=40)
 Q_LENS, KV_LENS = [1, 1, 24, 13], [45, 9, 60, 13]
 WINDOW = 20
 
-KERNELS = ["reference", "gpu", "tpu"]  # the XLA reference, the Pallas kernels (interpreted)
+KERNELS = list(STACKED)  # reference, cpu (C++), gpu and tpu (Pallas, interpreted)
 # kernel, dtype, KV heads, group, head dim, window
 CASES = [
     ("reference", "float32", 2, 4, 32, None),
     ("reference", "bfloat16", 2, 4, 32, WINDOW),
+    ("cpu", "float32", 3, 3, 64, None),
+    ("cpu", "float32", 2, 4, 32, WINDOW),
+    # bfloat16 without a window or cap takes the AVX-512-BF16 paths where the CPU has them (query heads in
+    # threes and twos for decode rows; prefill tiles sixteen queries a register); with a window, the float path.
+    ("cpu", "bfloat16", 3, 3, 64, None),
+    ("cpu", "bfloat16", 2, 4, 64, None),
+    ("cpu", "bfloat16", 2, 4, 64, WINDOW),
     ("gpu", "float32", 2, 4, 32, None),
     ("gpu", "bfloat16", 2, 4, 32, WINDOW),
     ("tpu", "float32", 2, 4, 32, WINDOW),
@@ -120,8 +127,10 @@ def test_sinks_match_float64_numpy_on_a_ragged_step(case):
     assert relative_error(out, oracle(cfg, args, None), step) > 10 * TOLERANCE[cfg.dtype]
 
 
-# Every kernel in float32
-EACH_KERNEL = [(kernel, "float32", 2, 4, 32, None) for kernel in KERNELS]
+# Every kernel in float32, and the C++ kernel's AVX-512-BF16 paths
+EACH_KERNEL = [(kernel, "float32", 2, 4, 32, None) for kernel in KERNELS] + [
+    ("cpu", "bfloat16", 2, 4, 64, None)
+]
 
 
 @pytest.mark.parametrize("case", EACH_KERNEL, ids=case_id)

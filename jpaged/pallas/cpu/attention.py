@@ -14,7 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.pallas.common import FP8_PAGES, check_inputs, over_pages, scale_operand, window_operand
+from jpaged.pallas.common import (
+    FP8_PAGES,
+    check_inputs,
+    over_pages,
+    scale_operand,
+    sinks_operand,
+    window_operand,
+)
 from jpaged.pallas.cpu import huge_pages, library
 
 _TARGET = "jpaged_paged_attention"
@@ -72,11 +79,13 @@ def ragged_paged_attention_stacked(
     logits_soft_cap: float | None = None,
     k_scale: float | jax.Array = 1.0,
     v_scale: float | jax.Array = 1.0,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """The kernel over one layer of a stacked cache `[L, N, B, Hk, D]` (contract in jpaged.pallas). float8_e4m3fn
     pages are passed as they are (XLA's CPU FFI hands them over as F8E4M3FN buffers), widened in the kernel; the
-    AVX-512-BF16 paths are bfloat16 pages' only, so fp8 pages take the float32 path."""
+    AVX-512-BF16 paths are bfloat16 pages' only, so fp8 pages take the float32 path. Sinks are an operand only where
+    there are some (the kernel's last, optional one): without, the call is what it was before sinks."""
     del interpret  # same signature as the Pallas kernels
     pages = [k_cache, v_cache]
     if k_cache.dtype == jnp.uint16 and q.dtype == jnp.bfloat16:  # a bfloat16 pool stored as its 16-bit words
@@ -94,6 +103,7 @@ def ragged_paged_attention_stacked(
         logits_soft_cap,
         k_scale,
         v_scale,
+        sinks,
     )
     check_layout(q.shape[-1], q.dtype)
     if k_cache.ndim != 5:
@@ -112,6 +122,7 @@ def ragged_paged_attention_stacked(
         window_operand(sliding_window),
         scale_operand(k_scale),
         scale_operand(v_scale),
+        *(() if sinks is None else (sinks_operand(sinks),)),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(logits_soft_cap or 0.0),
     )

@@ -10,9 +10,13 @@
 // Pages hold q's dtype (float32, or bfloat16 as its 16-bit words) or float8_e4m3fn (`--kv-cache-dtype fp8`, under
 // float32 or bfloat16 queries), widened to float as they are read. The K scale is folded into the scores' scale and
 // the V scale into the output's normalisation, so no page element is multiplied by one.
+//
+// Sinks (gpt-oss), when given, are a logit a query head that joins each row's softmax denominator and has no value:
+// every path starts a row's softmax from its head's sink (running maximum the sink, running sum 1).
 #include <array>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -33,6 +37,7 @@ struct Problem {
   float scale, soft_cap;  // scale: sm_scale * k_scale; soft_cap 0: none
   float v_scale;          // multiplies every output (what the V pages hold, times it, is what they mean)
   int window;             // <= 0: none (read from the window operand at run time: one program serves every layer)
+  const float* sinks;     // [Hq], head h * group + g's at that index, finite (common.sinks_operand); nullptr: none
   const int32_t* kv_lens;
   const int32_t* block_tables;
   const int32_t* query_start;
@@ -429,7 +434,9 @@ bool AttendRowOnWords(const Problem& p, const uint16_t* q_row, const uint16_t* k
     };
     __m512 top = _mm512_set1_ps(kNeg);
     for (int j = 0; j < num_keys; j += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, valid(j), s + j));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    float peak = _mm512_reduce_max_ps(top);
+    if (p.sinks) peak = std::max(peak, p.sinks[i]);  // query head i's sink joins the row's softmax
+    const __m512 shift = _mm512_set1_ps(peak);
     __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < padded; j += 16) {
       const __mmask16 mask = valid(j);
@@ -438,7 +445,8 @@ bool AttendRowOnWords(const Problem& p, const uint16_t* q_row, const uint16_t* k
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + static_cast<size_t>(i) * padded + j),
                           (__m256i)_mm512_cvtneps_pbh(e));
     }
-    inverse[i] = p.v_scale / std::max(_mm512_reduce_add_ps(sum), 1e-30f);
+    const float total = _mm512_reduce_add_ps(sum) + (p.sinks ? std::exp(p.sinks[i] - peak) : 0.0f);
+    inverse[i] = p.v_scale / std::max(total, 1e-30f);
   }
 
   // Pass 2: P.V, two keys a step: their value rows interleaved column by column against their weights' pair.
@@ -512,6 +520,12 @@ void AttendQueriesOnWords(const Problem& p, const uint16_t* q_rows, const uint16
   std::fill(acc, acc + D * NG * kLanes, 0.0f);
   __m512 max[NG], sum[NG], correction[NG];
   for (int g = 0; g < NG; ++g) max[g] = _mm512_set1_ps(kNeg), sum[g] = _mm512_setzero_ps();
+  if (p.sinks)  // each query's softmax starts from its head's sink: maximum the sink, sum 1
+    for (int g = 0; g < NG; ++g) {
+      alignas(64) float sinks[kLanes];
+      for (int lane = 0; lane < kLanes; ++lane) sinks[lane] = p.sinks[h * G + (base + g * kLanes + lane) % G];
+      max[g] = _mm512_load_ps(sinks), sum[g] = _mm512_set1_ps(1.0f);
+    }
   const __m512i low = InterleaveIndex(0), high = InterleaveIndex(1), pair_lanes = PairIndex();
   const __m512 scale = _mm512_set1_ps(p.scale);
   for (int b = 0; b < num_blocks; ++b) {
@@ -710,6 +724,12 @@ bool AttendItem(const Problem& p, const T* q, const P* k_layer, const P* v_layer
   std::fill(acc, acc + static_cast<size_t>(Hk) * n * D, 0.0f);
   std::fill(max, max + static_cast<size_t>(Hk) * n, kNeg);
   std::fill(denom, denom + static_cast<size_t>(Hk) * n, 0.0f);
+  if (p.sinks)  // each query's softmax starts from its head's sink: maximum the sink, sum 1
+    for (int h = 0; h < Hk; ++h)
+      for (int i = 0; i < n; ++i) {
+        max[static_cast<size_t>(h) * n + i] = p.sinks[h * G + i % G];
+        denom[static_cast<size_t>(h) * n + i] = 1.0f;
+      }
 
   const int first_key = p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
   const int32_t* table = p.block_tables + static_cast<int64_t>(item.seq) * p.table_width;
@@ -849,7 +869,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
                           ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
                           ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
-                          ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
+                          std::optional<ffi::Buffer<ffi::F32>> sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                          float soft_cap) {
   auto qd = q.dimensions();    // [T, Hq, D]
   auto kd = k_cache.dimensions();  // [L, N, B, Hk, D]
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("expected q [T,Hq,D], cache [L,N,B,Hk,D]");
@@ -875,6 +896,12 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   p.v_scale = v_scale.typed_data()[0];
   p.soft_cap = soft_cap;
   p.window = window.typed_data()[0];
+  p.sinks = nullptr;
+  if (sinks) {
+    if (static_cast<int64_t>(sinks->element_count()) != qd[1])
+      return ffi::Error::InvalidArgument("sinks must be [Hq]");
+    p.sinks = sinks->typed_data();
+  }
   p.kv_lens = kv_lens.typed_data();
   p.block_tables = block_tables.typed_data();
   p.query_start = query_start.typed_data();
@@ -922,6 +949,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()    // window [1], <= 0: none
                                   .Arg<ffi::Buffer<ffi::F32>>()    // k_scale [1]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // v_scale [1]
+                                  .OptionalArg<ffi::Buffer<ffi::F32>>()  // sinks [Hq], only where there are some
                                   .Ret<ffi::AnyBuffer>()           // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap"));
