@@ -10,7 +10,12 @@ Shapes are small: the TPU kernel runs in its simulator and the GPU kernel in Pal
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +36,7 @@ from test_pallas_attention import (
 )
 from test_pallas_lowering import MOSAIC_TPU_CALL, step_shapes
 
-from jpaged.pallas import gpu, tpu
+from jpaged.pallas import gpu, ragged_paged_attention, tpu
 
 # Two decodes, a prefill chunk after 36 cached keys, a first prompt chunk and a padding slot; 16-token pages.
 BUCKET = Bucket(num_tokens=48, num_seq_slots=5, max_q_len=24, max_context=40)
@@ -243,3 +248,58 @@ def test_kernels_lower_with_each_layers_sinks_as_data(module, platform, call, bu
 
     text = export_text(all_layers, platform, [q, cache, cache, windows, sinks, *metadata])
     assert text.count(f"custom_call @{call}(") == 1
+
+
+# The dispatch: the package entry point and tensor parallelism.
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference", "pallas", "cpu"])
+def test_the_package_entry_point_passes_sinks_to_every_impl(impl):
+    cfg, step, args, sinks = draw(("reference", "float32", 2, 4, 32, None), "-entry")
+    q, k_cache, v_cache, *metadata = args
+    call = functools.partial(ragged_paged_attention, sm_scale=sm_scale(cfg), impl=impl)
+    out = np.asarray(jax.jit(call)(q, k_cache[0], v_cache[0], *metadata, sinks=jnp.asarray(sinks)))
+    assert relative_error(out, oracle(cfg, args, sinks), step) < TOLERANCE[cfg.dtype]
+
+
+# Run in a process of its own: the simulated devices must be asked for before JAX starts.
+TENSOR_PARALLEL_SCRIPT = """
+    import jax, jax.numpy as jnp, numpy as np
+    from jpaged.pallas.reference import paged_attention_stacked
+    from jpaged.pallas.cpu.attention import ragged_paged_attention_stacked as cpu_stacked
+    from jpaged.runner.tensor_parallel import AXIS, kv_sharding, shard_attention
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,))
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((6, 8, 32)), jnp.float32)  # Hq 8 over Hk 2
+    k, v = (jnp.asarray(rng.standard_normal((1, 5, 16, 2, 32)), jnp.float32) for _ in "kv")
+    metadata = (jnp.array([40, 3], jnp.int32), jnp.array([[1, 2, 3], [4, 0, 0]], jnp.int32),
+                jnp.array([0, 5, 6], jnp.int32), jnp.array([2], jnp.int32))
+    sinks = jnp.asarray(rng.normal(1.0, 2.0, 8), jnp.float32)
+    k_split, v_split = (jax.device_put(x, kv_sharding(mesh)) for x in (k, v))
+    q_split = jax.device_put(q, NamedSharding(mesh, P(None, AXIS, None)))
+    for attention in (paged_attention_stacked, cpu_stacked):
+        one = attention(q, k, v, jnp.int32(0), *metadata, sm_scale=0.2, sinks=sinks)
+        split = jax.jit(lambda q, k, v, s: shard_attention(attention, mesh)(
+            q, k, v, jnp.int32(0), *metadata, sm_scale=0.2, sinks=s))(q_split, k_split, v_split, sinks)
+        assert float(jnp.abs(one - split).max()) < 1e-6, float(jnp.abs(one - split).max())
+        plain = attention(q, k, v, jnp.int32(0), *metadata, sm_scale=0.2)
+        assert float(jnp.abs(one - plain).max()) > 1e-2  # the sinks count
+    print("ok")
+"""
+
+
+def test_tensor_parallel_attention_splits_the_sinks_by_heads_like_q():
+    """Two devices, four query heads each: each device's kernel takes its own heads' sinks."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(TENSOR_PARALLEL_SCRIPT)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")

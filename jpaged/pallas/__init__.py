@@ -1,10 +1,11 @@
 """Ragged paged attention: the XLA reference and the kernels behind one call.
 
 `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, sm_scale,
-sliding_window=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0, interpret=False, impl="auto")` is the entry
-point: the same contract on every backend (shapes in reference.py), dispatched by backend and `impl`. Implementations: `reference` (XLA),
-`pallas` (the GPU kernel, gpu.py, or the TPU kernel, tpu.py; interpret mode on CPU, for tests) and `cpu` (C++
-kernels called through XLA's FFI, built on first use; cpu/). The model calls the *stacked* form,
+sliding_window=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0, sinks=None, interpret=False, impl="auto")`
+is the entry point: the same contract on every backend (shapes in reference.py), dispatched by backend and
+`impl`. Implementations: `reference` (XLA), `pallas` (the GPU kernel, gpu.py, or the TPU kernel, tpu.py;
+interpret mode on CPU, for tests) and `cpu` (C++ kernels called through XLA's FFI, built on first use; cpu/). The
+model calls the *stacked* form,
 `fn(q, k_cache, v_cache, layer, ...)` over a cache `[L, N, B, Hk, D]`, which `get_attention_fn` builds for the
 chosen implementation; common.py holds what the kernels share.
 
@@ -17,6 +18,11 @@ the K scale into the scores' scale and the V scale into the output, never multip
 `sliding_window` is None (no window), a positive Python int, or an int32 scalar array (shape () or (1,)), possibly
 traced, such as `windows[layer]` inside the model's scan over layers: one compiled program serves every value, and
 a value <= 0 means no window (Gemma's global layers). Only a None window is free of the window's mask.
+
+`sinks` (gpt-oss) is None or a float32 array [Hq], possibly traced (`sinks[layer]`): a logit s_h a query head that
+joins each row's softmax denominator and has no value, p_j = exp(x_j - m) / (exp(s_h - m) + sum_i exp(x_i - m)),
+m = max(s_h, max_i x_i), over the row's (scaled, capped, masked) scores x. It is neither scaled nor capped, a -inf
+sink is none, and under tensor parallelism it is split by heads like q. None leaves every kernel as it was.
 """
 
 from __future__ import annotations
@@ -114,6 +120,7 @@ def ragged_paged_attention(
     logits_soft_cap: float | None = None,
     k_scale: float | jax.Array = 1.0,
     v_scale: float | jax.Array = 1.0,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
     impl: str = "auto",
 ) -> jax.Array:
@@ -142,4 +149,5 @@ def ragged_paged_attention(
         logits_soft_cap=logits_soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
     )

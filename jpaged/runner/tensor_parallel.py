@@ -21,10 +21,12 @@ from jax.sharding import PartitionSpec as P
 from jpaged.models.config import ModelConfig
 from jpaged.models.fused_columns import along_columns
 from jpaged.models.llama import HEADS, MLP, QKV, VOCAB, abstract_params, partition_specs
+from jpaged.models.moe import EXPERTS
 from jpaged.models.products import is_whole_leaf
 
 AXIS = "tp"
 SHARDED_AXES = (VOCAB, QKV, HEADS, MLP)  # logical axes split over the mesh; the others are replicated
+# (EXPERTS: under expert parallelism, the only one an expert stack is split along)
 
 
 def check_tensor_parallel_size(size: int, config: ModelConfig) -> None:
@@ -64,18 +66,23 @@ def tensor_parallel_mesh(size: int, config: ModelConfig) -> Mesh:
     return Mesh(np.array(jax.devices()[:size]), (AXIS,))
 
 
-def param_shardings(mesh: Mesh, config: ModelConfig, params: dict | None = None) -> dict:
+def param_shardings(
+    mesh: Mesh, config: ModelConfig, params: dict | None = None, expert_parallel: bool = False
+) -> dict:
     """A NamedSharding for every weight of `params` (arrays or ShapeDtypeStructs; default the float model's state
-    dict) as the model's logical axes split it; an axis the mesh does not divide is replicated. A quantized
-    matrix (models.products.WholeLeaf) has each of its arrays split as the matrix it stands for (a transposed one's
-    the other way round): its codes with its rows and columns, its scales and biases with their groups and
-    columns, a per-tensor or per-column scale whole along the axis it does not have."""
+    dict) as the model's logical axes split it; an axis the mesh does not divide is replicated. A mixture of
+    experts' expert stacks are split as the dense MLP (each expert's MLP columns), or with `expert_parallel`
+    by experts (each device holding whole experts: expert_parallel.py). A quantized matrix
+    (models.products.WholeLeaf) has each of its arrays split as the matrix it stands for (a transposed one's the
+    other way round): its codes with its rows and columns, its scales and biases with their groups and columns,
+    a per-tensor or per-column scale whole along the axis it does not have."""
     size = mesh.shape[AXIS]
 
     def named(axes: tuple, leaf) -> NamedSharding:
+        split = (EXPERTS,) if expert_parallel and EXPERTS in axes else SHARDED_AXES
         dims = zip(axes, leaf.shape, strict=True)
         return NamedSharding(
-            mesh, P(*[AXIS if axis in SHARDED_AXES and dim % size == 0 else None for axis, dim in dims])
+            mesh, P(*[AXIS if axis in split and dim % size == 0 else None for axis, dim in dims])
         )
 
     def sharding(spec: P, leaf):
@@ -199,17 +206,23 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def shard_attention(attention: Callable, mesh: Mesh) -> Callable:
-    """`attention` (the stacked-cache signature) run by each device on its query heads and their KV heads."""
+    """`attention` (the stacked-cache signature) run by each device on its query heads and their KV heads; sinks
+    (one a query head) split by heads like q, the other options the same on every device."""
     heads, pages, replicated = P(None, AXIS, None), P(None, None, None, AXIS, None), P()
 
-    def sharded(q, k_cache, v_cache, layer, kv_lens, block_tables, query_start, num_seqs, **options):
-        local = jax.shard_map(
-            functools.partial(attention, **options),
-            mesh=mesh,
-            in_specs=(heads, pages, pages) + (replicated,) * 5,
-            out_specs=heads,
-            check_vma=False,
-        )
-        return local(q, k_cache, v_cache, layer, kv_lens, block_tables, query_start, num_seqs)
+    def sharded(
+        q, k_cache, v_cache, layer, kv_lens, block_tables, query_start, num_seqs, sinks=None, **options
+    ):
+        args = (q, k_cache, v_cache, layer, kv_lens, block_tables, query_start, num_seqs)
+        in_specs = (heads, pages, pages) + (replicated,) * 5
+        if sinks is not None:  # one a query head: each device takes its own heads'
+            args, in_specs = (*args, sinks), (*in_specs, P(AXIS))
+
+        def local(*local_args):
+            if sinks is None:
+                return attention(*local_args, **options)
+            return attention(*local_args[:-1], sinks=local_args[-1], **options)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*args)
 
     return sharded
