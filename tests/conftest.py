@@ -138,6 +138,19 @@ TINY_FAMILIES = {
         "Qwen2MoeConfig",
         dict(TINY, **MOE, moe_intermediate_size=32, shared_expert_intermediate_size=96),
     ),
+    # gpt-oss: a sliding layer then a global one (window 8), YaRN, sinks, biased experts and a clamped SwiGLU.
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            TINY,
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            sliding_window=8,
+            swiglu_limit=1.0,  # low enough that random weights reach the clamps
+        ),
+    ),
     "mixtral": (
         "MixtralConfig",
         dict(TINY, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
@@ -192,8 +205,10 @@ def _save_tiny(family: str, root: str) -> Path:
     if getattr(config, "num_experts_per_tok", None):  # decisive routers: no near-tie between two experts
         with torch.no_grad():
             for name, weight in model.named_parameters():
-                if name.endswith("gate.weight") and weight.shape[0] > 1:
+                if name.endswith(("gate.weight", "router.weight")) and weight.shape[0] > 1:
                     weight.normal_(0.0, 1.0)
+                elif name.endswith(("bias", "sinks")):  # at 0, a bias or sink lost on the way would go unseen
+                    weight.normal_(0.0, 0.5)
     path = Path(root) / family
     model.save_pretrained(path)
     return path

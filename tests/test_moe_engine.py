@@ -1,4 +1,4 @@
-"""Mixtures of experts through the engine (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): greedy
+"""Mixtures of experts through the engine (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, gpt-oss): greedy
 generation follows transformers token for token, with logprobs within 1e-4, for prompts of several lengths
 prefilled in chunks, from a cached prefix, under preemption and with async scheduling; and whatever the routing
 does (the experts' group sizes are data), nothing compiles after warm-up."""
@@ -24,7 +24,7 @@ def tokens_of(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def moe(request, tiny_model_dir):
     model_dir = tiny_model_dir(request.param)
     return model_dir, LLM(str(model_dir), **ARGS, async_scheduling=False)

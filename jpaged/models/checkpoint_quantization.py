@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
-from jpaged.models import awq, compressed_tensors, fp8_checkpoint, gptq
+from jpaged.models import awq, compressed_tensors, fp8_checkpoint, gptq, mxfp4
 from jpaged.models.packed_weights import FormatReader, Matrix
 from jpaged.models.params import GetTensor, dequantized
 
@@ -25,14 +25,16 @@ FORMATS: dict[str, Callable[[dict], FormatReader]] = {
     "fp8": fp8_checkpoint.reader,
     "awq": awq.reader,
     "gptq": gptq.reader,
+    "mxfp4": mxfp4.reader,
 }
 
 
 def quantized_reader(
     quantization: dict, get: GetTensor, names: Collection[str], *, keep: bool = True
 ) -> GetTensor:
-    """`get` for a checkpoint with this `quantization_config`: a quantized module's `.weight` comes kept (or, without
-    `keep`, dequantised to float32, for tensor parallelism and --quantization), other names as stored."""
+    """`get` for a checkpoint with this `quantization_config`: a quantized module's `.weight` (or a quantized tensor
+    named without it, gpt-oss's experts) comes kept (or, without `keep`, dequantised to float32, for tensor
+    parallelism and --quantization), other names as stored."""
     method = quantization.get("quant_method")
     if method not in FORMATS:
         raise ValueError(
@@ -44,10 +46,9 @@ def quantized_reader(
     )
 
     def read(name: str) -> np.ndarray | Matrix:
-        if name.endswith(".weight"):
-            matrix = matrix_of(name.removesuffix(".weight"), get, names)
-            if matrix is not None:
-                return matrix if keep else dequantized(matrix)
+        matrix = matrix_of(name.removesuffix(".weight"), get, names)
+        if matrix is not None:
+            return matrix if keep else dequantized(matrix)
         return get(name)
 
     return read

@@ -13,7 +13,8 @@ ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope", "dynamic")  # rope.py's
 # The scalings whose frequencies depend on the sequence's length (the rest are fixed per model).
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
 # The gated MLP's activations by transformers' `hidden_act` names (llama.py's ACTIVATIONS computes each).
-HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
+HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")  # the last: gpt-oss's experts (activations.py)
+ROUTERS = ("softmax_topk", "topk_softmax")  # experts.route: Qwen-MoE's and Mixtral's; gpt-oss's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,12 @@ class ModelConfig:
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert every token takes (0: none)
+    router: str = "softmax_topk"  # how a token's experts and weights come from the router's logits (ROUTERS)
+    expert_bias: bool = False  # a bias on the router's logits and on each expert's gate_up and down (gpt-oss)
+    swiglu_limit: float = 0.0  # clamped_swiglu's clamp of gate and up, and its sigmoid's slope (gpt-oss)
+    swiglu_alpha: float = 0.0
+    attention_sinks: bool = False  # a learned logit a query head adds to its softmax's denominator (gpt-oss)
+    attention_output_bias: bool = False  # a bias on the attention's output projection (gpt-oss)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -76,6 +83,8 @@ class ModelConfig:
             raise ValueError(
                 f"layer_types names {len(self.sliding_layers)} layers, the model has {self.num_layers}"
             )
+        if self.router not in ROUTERS:
+            raise ValueError(f"unsupported router {self.router!r}; supported: {', '.join(ROUTERS)}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts "

@@ -140,7 +140,8 @@ class Embedding(nnx.Module):
 
 class Attention(nnx.Module):
     """Fused QKV projection, optional bias (Qwen2) and q/k norms (Qwen3), RoPE, the paged cache write, the
-    injected attention and the output projection."""
+    injected attention (with gpt-oss's sinks: a logit a query head adds to its softmax's denominator) and the
+    output projection (with gpt-oss's bias)."""
 
     def __init__(self, config: ModelConfig, dtype) -> None:
         c = self.config = config
@@ -150,6 +151,8 @@ class Attention(nnx.Module):
         self.q_norm = _norm(c, c.head_dim, dtype, HEAD_DIM) if c.qk_norm else None
         self.k_norm = _norm(c, c.head_dim, dtype, HEAD_DIM) if c.qk_norm else None
         self.o = _weight((c.num_heads * c.head_dim, c.hidden_size), dtype, (HEADS, EMBED))
+        self.o_bias = _weight((c.hidden_size,), dtype, (EMBED,)) if c.attention_output_bias else None
+        self.sinks = _weight((c.num_heads,), dtype, (HEADS,)) if c.attention_sinks else None
         # The checkpoint's scales of K and V (in that order) for float8 pages: stored divided by them.
         self.kv_scales = _weight((2,), dtype, (None,), fill=1.0) if c.kv_cache_scales else None
 
@@ -170,10 +173,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = step.rotation(layer)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        scales = {}
+        options = {} if self.sinks is None else dict(sinks=self.sinks[...].astype(jnp.float32))
         if self.kv_scales is not None and is_float8_pool(k_cache.dtype):
             k_scale, v_scale = self.kv_scales[...].astype(jnp.float32)
-            k, v, scales = k / k_scale, v / v_scale, dict(k_scale=k_scale, v_scale=v_scale)
+            k, v = k / k_scale, v / v_scale
+            options.update(k_scale=k_scale, v_scale=v_scale)
         k_cache = k_cache.at[layer, step.write_block, step.write_offset].set(as_stored(k, k_cache.dtype))
         v_cache = v_cache.at[layer, step.write_block, step.write_offset].set(as_stored(v, v_cache.dtype))
         attn = step.attention(
@@ -188,10 +192,10 @@ class Attention(nnx.Module):
             sm_scale=(c.query_pre_attn_scalar or c.head_dim) ** -0.5,
             sliding_window=step.window(layer),
             logits_soft_cap=c.attn_logit_softcap,
-            **scales,
+            **options,
         )
         out = step.matmul("o", self.o, attn.reshape(num_tokens, q_size).astype(x.dtype), layer)
-        return out, k_cache, v_cache
+        return (out if self.o_bias is None else out + self.o_bias[...]), k_cache, v_cache
 
 
 class GatedMLP(nnx.Module):

@@ -3,8 +3,9 @@ products combine their gated MLPs (experts.py; MatrixProducts.mixture, which kno
 Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate.
 
 State (a DecoderLayer's `mlp`, every leaf stacked on the layers' leading L axis): router [D, E], experts_gate_up
-[E, D, 2F] (each expert's gate|up), experts_down [E, F, D]; the shared expert's shared_gate_up [D, 2Fs],
-shared_down [Fs, D] and shared_gate [D, 1]. E experts, F an expert's MLP size, Fs the shared expert's.
+[E, D, 2F] (each expert's gate|up), experts_down [E, F, D]; gpt-oss's router_bias [E], experts_gate_up_bias
+[E, 2F] and experts_down_bias [E, D]; the shared expert's shared_gate_up [D, 2Fs], shared_down [Fs, D] and
+shared_gate [D, 1]. E experts, F an expert's MLP size, Fs the shared expert's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.models.activations import act_and_mul
+from jpaged.models.activations import ClampedSwiGLU, act_and_mul
 from jpaged.models.config import ModelConfig
 from jpaged.models.experts import route
 
@@ -34,6 +35,10 @@ class SparseMoE(nnx.Module):
         self.router = _weight((d, e), dtype, (EMBED, None))
         self.experts_gate_up = _weight((e, d, 2 * f), dtype, (EXPERTS, EMBED, MLP))
         self.experts_down = _weight((e, f, d), dtype, (EXPERTS, MLP, EMBED))
+        biased = c.expert_bias
+        self.router_bias = _weight((e,), dtype, (None,)) if biased else None
+        self.experts_gate_up_bias = _weight((e, 2 * f), dtype, (EXPERTS, MLP)) if biased else None
+        self.experts_down_bias = _weight((e, d), dtype, (EXPERTS, EMBED)) if biased else None
         fs = c.shared_expert_intermediate_size
         self.shared_gate_up = _weight((d, 2 * fs), dtype, (EMBED, MLP)) if fs else None
         self.shared_down = _weight((fs, d), dtype, (MLP, EMBED)) if fs else None
@@ -41,10 +46,16 @@ class SparseMoE(nnx.Module):
 
     def __call__(self, x: jax.Array, layer: jax.Array, step: StepContext) -> jax.Array:
         c = self.config
-        weights, experts = route(x @ self.router[...], c)
+        logits = x @ self.router[...]
+        weights, experts = route(logits if self.router_bias is None else logits + self.router_bias[...], c)
         live = jnp.arange(x.shape[0]) < step.live_tokens
         gate_up, down = self.experts_gate_up[...], self.experts_down[...]
-        out = step.products.mixture(x, weights, experts, gate_up, down, layer, live, c.hidden_activation)
+        biases = None
+        if self.experts_gate_up_bias is not None:
+            biases = (self.experts_gate_up_bias[...], self.experts_down_bias[...])
+        out = step.products.mixture(
+            x, weights, experts, gate_up, down, layer, live, expert_activation(c), biases
+        )
         if self.shared_gate_up is None:
             return out
         fs = c.shared_expert_intermediate_size
@@ -52,3 +63,10 @@ class SparseMoE(nnx.Module):
         shared = act_and_mul(x @ self.shared_gate_up[...], (fs, fs), groups, c.hidden_activation)
         gate = jax.nn.sigmoid(x @ self.shared_gate[...])
         return out + gate * (shared @ self.shared_down[...])
+
+
+def expert_activation(config: ModelConfig) -> str | ClampedSwiGLU:
+    """The experts' activation as activations.act_and_mul takes it."""
+    if config.hidden_activation == "clamped_swiglu":
+        return ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
+    return config.hidden_activation

@@ -32,6 +32,7 @@ class LeafRecipe:
     transposed: bool = False
     per_layer: bool = True
     per_expert: bool = False
+    interleaved: bool = False  # gate and up in alternate columns (gpt-oss's gate_up): read as gate | up
 
 
 def hf_recipes(config: ModelConfig) -> dict[str, LeafRecipe]:
@@ -57,6 +58,8 @@ def params_from_hf_names(config: ModelConfig, get: GetTensor, dtype, *, progress
         scalar = lambda part: isinstance(part, np.ndarray) and part.ndim == 0  # noqa: E731 (a per-layer scale)
         parts = [part.reshape(1) if scalar(part) else part for part in parts]
         parts = [part.T for part in parts] if recipe.transposed else parts
+        if recipe.interleaved:
+            parts = [np.concatenate([part[..., 0::2], part[..., 1::2]], axis=-1) for part in parts]
         if any(isinstance(part, WholeLeaf) for part in parts):
             joined = _joined(parts, [name.format(i=layer, j=expert) for name in recipe.names])
             if joined is not None:

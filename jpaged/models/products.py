@@ -89,12 +89,19 @@ class MatrixProducts(Protocol):
         ...
 
     def experts_gated(
-        self, weight: jax.Array, x: jax.Array, group_sizes: jax.Array, layer: jax.Array, activation: str
+        self,
+        weight: jax.Array,
+        x: jax.Array,
+        group_sizes: jax.Array,
+        layer: jax.Array,
+        activation,
+        bias: jax.Array | None = None,
     ) -> jax.Array:
         """Rows of x sorted by expert, group_sizes[e] of them expert e's (in expert order; rows past them are no
         expert's and may be left anything), each run's act(x @ gate) * (x @ up) by its expert's gate|up in
         `weight`: layer `layer`'s experts_gate_up [E, D, 2F] (or the whole stack, where the products take the
-        experts whole)."""
+        experts whole); `bias` [rows, 2F] added to the product before the activation (activations.act_and_mul's:
+        a name, or a ClampedSwiGLU)."""
         ...
 
     def experts_down(
@@ -112,11 +119,13 @@ class MatrixProducts(Protocol):
         down: jax.Array,
         layer: jax.Array,
         live: jax.Array,
-        activation: str,
+        activation,
+        biases: tuple[jax.Array, jax.Array] | None = None,
     ) -> jax.Array:
         """Each live token's (`live` [T]) weighted sum of its routed experts' gated MLPs (experts.routed_experts:
-        `weights` and `experts` [T, k], layer `layer`'s expert stacks gate_up [E, D, 2F] and down [E, F, D]);
-        where the experts lie (one device, or split over a mesh) is the products' concern."""
+        `weights` and `experts` [T, k], layer `layer`'s expert stacks gate_up [E, D, 2F] and down [E, F, D], and
+        where the experts have them, their biases [E, 2F] and [E, D]); where the experts lie (one device, or split
+        over a mesh) is the products' concern."""
         ...
 
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:
@@ -159,23 +168,25 @@ class StackedProducts:
             self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups, activation
         )
 
-    def experts_gated(self, weight, x, group_sizes, layer, activation) -> jax.Array:
+    def experts_gated(self, weight, x, group_sizes, layer, activation, bias=None) -> jax.Array:
         width = weight.shape[-1]
         h = grouped_product(weight, x, group_sizes)
+        h = h if bias is None else h + bias
         return act_and_mul(h, (width // 2, width // 2), self.fused_groups, activation)
 
     def experts_down(self, weight, x, group_sizes, layer) -> jax.Array:
         return grouped_product(weight, x, group_sizes)
 
-    def mixture(self, x, weights, experts, gate_up, down, layer, live, activation) -> jax.Array:
+    def mixture(self, x, weights, experts, gate_up, down, layer, live, activation, biases=None) -> jax.Array:
         return routed_experts(
             x,
             weights,
             experts,
             gate_up.shape[-3],
             live=live,
-            gated=lambda rows, sizes: self.experts_gated(gate_up, rows, sizes, layer, activation),
+            gated=lambda rows, sizes, bias: self.experts_gated(gate_up, rows, sizes, layer, activation, bias),
             down=lambda h, sizes: self.experts_down(down, h, sizes, layer),
+            biases=biases,
         )
 
     def lm_head(self, weight: jax.Array, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:

@@ -148,25 +148,27 @@ class PanelProducts:
             self.layer("gate_up", weight, x, layer, rows), sizes, self.fused_groups, activation
         )
 
-    def experts_gated(self, weight, x, group_sizes, layer, activation) -> jax.Array:
+    def experts_gated(self, weight, x, group_sizes, layer, activation, bias=None) -> jax.Array:
         width = self.expert_widths[0]
-        if self.experts_gated_form:
+        if self.experts_gated_form and bias is None:
             return expert_matmul.gated_matmul(x, weight, group_sizes, width // 2, layer=layer)
         h = expert_matmul.matmul(x, weight, group_sizes, width, layer=layer)
+        h = h if bias is None else h + bias
         return act_and_mul(h, (width // 2, width // 2), self.fused_groups, activation)
 
     def experts_down(self, weight, x, group_sizes, layer) -> jax.Array:
         return expert_matmul.matmul(x, weight, group_sizes, self.expert_widths[1], layer=layer)
 
-    def mixture(self, x, weights, experts, gate_up, down, layer, live, activation) -> jax.Array:
+    def mixture(self, x, weights, experts, gate_up, down, layer, live, activation, biases=None) -> jax.Array:
         return routed_experts(
             x,
             weights,
             experts,
             gate_up.shape[1],  # the panels [L, E, P, K, 16]
             live=live,
-            gated=lambda rows, sizes: self.experts_gated(gate_up, rows, sizes, layer, activation),
+            gated=lambda rows, sizes, bias: self.experts_gated(gate_up, rows, sizes, layer, activation, bias),
             down=lambda h, sizes: self.experts_down(down, h, sizes, layer),
+            biases=biases,
         )
 
     def lm_head(self, weight, h: jax.Array, rows: jax.Array, *, tied: bool) -> jax.Array:

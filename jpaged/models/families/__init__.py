@@ -7,6 +7,7 @@ from jpaged.models.families import (
     gemma2,
     gemma3,
     gemma3_image_text,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -32,6 +33,7 @@ FAMILIES: dict[str, Family] = {
         qwen3_moe,
         qwen2_moe,
         mixtral,
+        gpt_oss,
     )
 }
 
