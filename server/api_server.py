@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +16,7 @@ from jpaged_server.errors import APIError, error_response, install_error_handler
 from jpaged_server.lifecycle import GracefulServer
 from jpaged_server.metrics import ServerMetrics
 from jpaged_server.protocol import (
+    ChatCompletionRequest,
     DetokenizeRequest,
     ModelCard,
     ModelList,
@@ -34,6 +36,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import jpaged
 from jpaged.config import EngineConfig
 from jpaged.engine.async_engine import AsyncLLMEngine
+
+if TYPE_CHECKING:
+    from jpaged_server.harmony import HarmonyChat
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,7 @@ def build_app(
         auto_tool_parser=auto_tool_parser,
         reasoning_parser=reasoning_parser,
         strict_request_fields=strict_request_fields,
+        harmony=harmony_for(engine),
     )
     app.state.responses = ResponseStore(max_stored_responses)  # the Responses API's previous_response_id
     install_error_handlers(app)
@@ -81,6 +87,20 @@ def build_app(
     app.delete("/v1/responses/{response_id}")(delete_response)
     _add_info_routes(app)
     return app
+
+
+def harmony_for(engine: AsyncLLMEngine) -> HarmonyChat | None:
+    """gpt-oss models chat in harmony (harmony.py), as vLLM serves them, whatever --chat-template,
+    --reasoning-parser and --tool-call-parser say; other models have none."""
+    if engine.engine.model_config.architecture != "gpt_oss":
+        return None
+    try:
+        from jpaged_server.harmony import HarmonyChat
+    except ModuleNotFoundError as err:
+        raise RuntimeError(
+            f"gpt-oss models chat in the harmony format, which needs {err.name}: pip install 'jpaged[gpt-oss]'"
+        ) from err
+    return HarmonyChat.load()
 
 
 class APIKeyMiddleware:
@@ -153,15 +173,24 @@ def _add_info_routes(app: FastAPI) -> None:
                     "continue_final_message and add_generation_prompt cannot both be true",
                     "continue_final_message",
                 )
-            tokens = chat_prompt_ids(
-                tokenizer,
-                body.messages,
-                chat_template=state.chat_template,
-                add_generation_prompt=body.add_generation_prompt,
-                template_kwargs=body.chat_template_kwargs,
-                continue_final_message=body.continue_final_message,
-                add_special_tokens=body.add_special_tokens,
-            )
+            if state.harmony is not None:
+                chat = ChatCompletionRequest(
+                    messages=body.messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                )
+                tokens = state.harmony.prompt(chat).ids
+            else:
+                tokens = chat_prompt_ids(
+                    tokenizer,
+                    body.messages,
+                    chat_template=state.chat_template,
+                    add_generation_prompt=body.add_generation_prompt,
+                    template_kwargs=body.chat_template_kwargs,
+                    continue_final_message=body.continue_final_message,
+                    add_special_tokens=body.add_special_tokens,
+                )
         else:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         answer = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}

@@ -3,7 +3,9 @@ calls read out of the rest (the request's ToolPlan); whole, or as deltas for a s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from jpaged_server.protocol import (
     AssistantMessage,
@@ -16,6 +18,23 @@ from jpaged_server.reasoning_parsers import StreamingReasoningParser, ThinkForma
 from jpaged_server.tool_parsers import StreamingToolParser, ToolFormat
 
 
+class StreamingChatReply(Protocol):
+    called: bool  # a tool was called so far
+
+    def feed(self, text: str, final: bool = False, token_ids: Iterable[int] = ()) -> DeltaMessage: ...
+
+
+class ChatReply(Protocol):
+    """A reply read back, whole or streamed: ReplyFormat (from its text) or harmony.HarmonyReply (its tokens)."""
+
+    include_reasoning: bool
+    legacy_functions: bool
+
+    def message(self, text: str, token_ids: Iterable[int] = ()) -> AssistantMessage: ...
+
+    def streaming(self) -> StreamingChatReply: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ReplyFormat:
     reasoning: ThinkFormat | None
@@ -23,7 +42,10 @@ class ReplyFormat:
     include_reasoning: bool = True  # False: the reasoning is split off and dropped
     legacy_functions: bool = False  # a call answers as `function_call` (the request gave `functions`)
 
-    def message(self, text: str) -> AssistantMessage:
+    def streaming(self) -> StreamingReply:
+        return StreamingReply(self)
+
+    def message(self, text: str, token_ids: Iterable[int] = ()) -> AssistantMessage:
         reasoning, content = self.reasoning.parse(text) if self.reasoning else (None, text)
         reasoning = reasoning if self.include_reasoning else None
         calls = []
@@ -67,9 +89,9 @@ class StreamingReply:
     def called(self) -> bool:
         return self._tools is not None and self._tools.num_calls > 0
 
-    def feed(self, text: str, final: bool = False) -> DeltaMessage:
-        """The delta for the reply's next `text`; `final` once the reply is done, with all that the parsers held
-        back (a tag's possible start) until then."""
+    def feed(self, text: str, final: bool = False, token_ids: Iterable[int] = ()) -> DeltaMessage:
+        """The delta for the reply's next `text` (its `token_ids` are not read); `final` once the reply is done,
+        with all that the parsers held back (a tag's possible start) until then."""
         reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
         if final and self._reasoning:
             more_reasoning, more_content = self._reasoning.finish()

@@ -4,13 +4,31 @@ from __future__ import annotations
 
 import inspect
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jpaged_server.errors import APIError
 from jpaged_server.protocol import ChatMessage
 
 from jpaged.engine.tokenizer import apply_chat_template
+
+if TYPE_CHECKING:
+    from jpaged_server.chat_message import ChatReply
+
+    from jpaged.sampling_params import StructuredOutputsParams
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A chat request made ready for the engine: by the chat template (serving_chat) or by harmony (harmony.py)."""
+
+    ids: list[int]
+    reply: ChatReply  # how the reply is read back into OpenAI's message
+    constraint: tuple[StructuredOutputsParams, str] | None = (
+        None  # a grammar, and the field that asked for it
+    )
+    stop_token_ids: list[int] = field(default_factory=list)  # the format's own, beside the request's
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -7,8 +7,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jpaged_server.chat_message import ReplyFormat, StreamingReply, finish_reason
-from jpaged_server.chat_template import chat_prompt_ids
+from jpaged_server.chat_message import ChatReply, ReplyFormat, finish_reason
+from jpaged_server.chat_template import ChatPrompt, chat_prompt_ids
 from jpaged_server.errors import APIError
 from jpaged_server.generation import EngineInput, final_output, generate_outputs, response_id
 from jpaged_server.logprobs import chat_logprobs, vllm_prompt_logprobs
@@ -43,10 +43,7 @@ def _num_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-async def chat_engine_input(
-    state: ServerState, body: ChatCompletionRequest
-) -> tuple[EngineInput, ReplyFormat]:
-    engine = state.engine.engine
+async def chat_engine_input(state: ServerState, body: ChatCompletionRequest) -> tuple[EngineInput, ChatReply]:
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(
             400,
@@ -54,15 +51,40 @@ async def chat_engine_input(
             "to false to continue the last message",
             "continue_final_message",
         )
+    # gpt-oss speaks harmony (harmony.py, chosen by build_app); every other model has its chat template.
+    chat = state.harmony.prompt(body) if state.harmony is not None else _template_prompt(state, body)
+    engine = state.engine.engine
+    ids = truncated_prompt(chat.ids, body.truncate_prompt_tokens, state.max_model_len)
+    asked, param = body.max_tokens, "max_tokens"
+    if body.max_completion_tokens is not None:  # OpenAI's newer name wins
+        asked, param = body.max_completion_tokens, "max_completion_tokens"
+    max_tokens = resolve_max_tokens(
+        asked, None, len(ids), state.max_model_len, param=param, prompt_param="messages"
+    )
+    spec = None
+    if chat.constraint is not None:
+        spec, param = chat.constraint
+        await check_compiles(state, spec, param)
+    if chat.stop_token_ids:
+        stops = [*(body.stop_token_ids or ()), *chat.stop_token_ids]
+        body = body.model_copy(update={"stop_token_ids": stops})
+    params = sampling_params(
+        body, max_tokens=max_tokens, logprobs=_num_logprobs(body), structured_outputs=spec
+    )
+    check_for_engine(engine, ids, params, "messages")
+    return EngineInput(ids, params), chat.reply
+
+
+def _template_prompt(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:
     tools = plan_tools(body, auto_tool_parser=state.auto_tool_parser)
     # A forced tool call's grammar wins over response_format and structured_outputs, as in vLLM (the Agents SDK
     # sends its output_type's schema beside tool_choice="required"): the reply is the call.
     constraint = (tools.spec, "tools") if tools.spec is not None else requested_spec(body)
     template_kwargs = body.chat_template_kwargs
-    if body.reasoning_effort is not None:  # for the templates of models that think (gpt-oss reads it)
+    if body.reasoning_effort is not None:  # for the templates of models that think
         template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     ids = chat_prompt_ids(
-        engine.tokenizer,
+        state.engine.engine.tokenizer,
         body.messages,
         chat_template=state.chat_template,
         add_generation_prompt=body.add_generation_prompt,
@@ -71,25 +93,9 @@ async def chat_engine_input(
         continue_final_message=body.continue_final_message,
         add_special_tokens=body.add_special_tokens,
     )
-    ids = truncated_prompt(ids, body.truncate_prompt_tokens, state.max_model_len)
-    asked, param = body.max_tokens, "max_tokens"
-    if body.max_completion_tokens is not None:  # OpenAI's newer name wins
-        asked, param = body.max_completion_tokens, "max_completion_tokens"
-    max_tokens = resolve_max_tokens(
-        asked, None, len(ids), state.max_model_len, param=param, prompt_param="messages"
-    )
-    spec = None
-    if constraint is not None:
-        spec, param = constraint
-        await check_compiles(state, spec, param)
-    params = sampling_params(
-        body, max_tokens=max_tokens, logprobs=_num_logprobs(body), structured_outputs=spec
-    )
-    check_for_engine(engine, ids, params, "messages")
     reasoning = REASONING_PARSERS[state.reasoning_parser] if state.reasoning_parser else None
-    return EngineInput(ids, params), ReplyFormat(
-        reasoning, tools.format, body.include_reasoning, tools.legacy
-    )
+    reply = ReplyFormat(reasoning, tools.format, body.include_reasoning, tools.legacy)
+    return ChatPrompt(ids, reply, constraint)
 
 
 def _echoed(body: ChatCompletionRequest) -> str:
@@ -121,7 +127,7 @@ async def _whole(
     state: ServerState,
     request_id: str,
     body: ChatCompletionRequest,
-    reply: ReplyFormat,
+    reply: ChatReply,
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     headers: dict[str, str],
 ) -> Response:
@@ -129,7 +135,7 @@ async def _whole(
     echo = _echoed(body)
     choices = []
     for choice in sorted(final.outputs, key=lambda c: c.index):
-        message = reply.message(choice.text)
+        message = reply.message(choice.text, choice.token_ids)
         if echo:
             message.content = echo + (message.content or "")
         choices.append(
@@ -164,7 +170,7 @@ async def _stream(
     request_id: str,
     body: ChatCompletionRequest,
     n: int,
-    reply: ReplyFormat,
+    reply: ChatReply,
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     options: StreamOptions,
 ) -> AsyncIterator[str]:
@@ -176,7 +182,7 @@ async def _stream(
             ChatCompletionChunk(id=request_id, model=state.model_name, choices=[choice], usage=usage, **extra)
         )
 
-    replies = [StreamingReply(reply) for _ in range(n)]
+    replies = [reply.streaming() for _ in range(n)]
     echo = _echoed(body)
     opened = False
     async for _, output in outputs:
@@ -189,7 +195,9 @@ async def _stream(
                     yield chunk(ChatStreamChoice(index=index, delta=role), prompt_token_ids=ids)
             choice = delta.choice
             streaming = replies[choice.index]
-            message = streaming.feed(choice.text, final=choice.finish_reason is not None)
+            message = streaming.feed(
+                choice.text, final=choice.finish_reason is not None, token_ids=choice.token_ids
+            )
             logprobs = None
             if body.logprobs and choice.token_ids:
                 logprobs = chat_logprobs(choice.token_ids, choice.logprobs or [], body.top_logprobs or 0)

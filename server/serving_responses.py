@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jpaged_server.chat_message import ReplyFormat, StreamingReply
+from jpaged_server.chat_message import ChatReply
 from jpaged_server.errors import APIError, describe_validation_error
 from jpaged_server.generation import GenerationStopped, final_output, generate_outputs
 from jpaged_server.protocol import AssistantMessage, ChatCompletionRequest, DeltaMessage, DeltaToolCall
@@ -120,7 +120,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     final = await final_output(outputs)
     choice = final.outputs[0]
-    done = finished(_output_items(reply.message(choice.text)), choice.finish_reason, usage_of([final]))
+    done = finished(
+        _output_items(reply.message(choice.text, choice.token_ids)), choice.finish_reason, usage_of([final])
+    )
     return JSONResponse(done.model_dump(), headers=headers)
 
 
@@ -355,7 +357,7 @@ class _EventStream:
 
 async def _stream(
     response: ResponseObject,
-    reply: ReplyFormat,
+    reply: ChatReply,
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     finished: _Finisher,
 ) -> AsyncIterator[str]:
@@ -365,11 +367,12 @@ async def _stream(
     try:
         yield stream.event("response.created", response=response.model_dump())
         yield stream.event("response.in_progress", response=response.model_dump())
-        tracker, streaming, finish_reason = StreamTracker(), StreamingReply(reply), None
+        tracker, streaming, finish_reason = StreamTracker(), reply.streaming(), None
         async for _, output in outputs:
             for delta in tracker.deltas(0, output):
                 choice = delta.choice
-                for event in stream.feed(streaming.feed(choice.text, final=choice.finish_reason is not None)):
+                final = choice.finish_reason is not None
+                for event in stream.feed(streaming.feed(choice.text, final, choice.token_ids)):
                     yield event
                 finish_reason = choice.finish_reason or finish_reason
         incomplete = finish_reason == "length"

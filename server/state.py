@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from jpaged_server.errors import APIError
@@ -13,6 +14,9 @@ from jpaged_server.request_fields import check_request_fields
 from pydantic import BaseModel
 
 from jpaged.engine.async_engine import AsyncLLMEngine
+
+if TYPE_CHECKING:
+    from jpaged_server.harmony import HarmonyChat
 
 # An overloaded server's hint to come back: a queue of a few hundred requests moves within seconds.
 RETRY_AFTER_SECONDS = "1"
@@ -34,6 +38,7 @@ class ServerState:
     auto_tool_parser: str | None = None  # --tool-call-parser, when --enable-auto-tool-choice is on
     reasoning_parser: str | None = None  # --reasoning-parser
     strict_request_fields: bool = False  # --strict-request-fields: unknown request fields are a 400
+    harmony: HarmonyChat | None = None  # gpt-oss's chat format, in place of the chat template and parsers
 
     def check_fields(self, body: BaseModel) -> dict[str, str]:
         """request_fields.check_request_fields under this server's --strict-request-fields."""
