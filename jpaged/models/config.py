@@ -44,6 +44,7 @@ class ModelConfig:
         None  # RoPE base of the sliding layers, unscaled (Gemma 3); None: rope_theta
     )
     norm_offset: float = 0.0  # RMSNorm scales by (offset + w), in float32 (Gemma: 1)
+    norm_scale_in_float32: bool = False  # RMSNorm scales by w in float32 too, before rounding (gpt-oss)
     hidden_activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh" (Gemma's GeGLU)
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     post_norms: bool = (

@@ -106,23 +106,27 @@ class StepContext:
 
 class RMSNorm(nnx.Module):
     """transformers' RMSNorm: Llama's scales the normalised x, rounded to x's dtype, by w; Gemma's (an `offset` of
-    1) scales it by (1 + w) in float32 before rounding. The state holds the checkpoint's w either way."""
+    1) scales it by (1 + w) in float32 before rounding, gpt-oss's (`in_float32`) by w in float32 before rounding.
+    The state holds the checkpoint's w either way."""
 
-    def __init__(self, dim: int, eps: float, dtype, axis: str, offset: float = 0.0) -> None:
+    def __init__(
+        self, dim: int, eps: float, dtype, axis: str, offset: float = 0.0, in_float32: bool = False
+    ) -> None:
         self.eps = eps
         self.offset = offset
+        self.in_float32 = in_float32 or bool(offset)
         self.weight = _weight((dim,), dtype, (axis,), fill=1.0 - offset)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
+        if self.in_float32:
             return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
 
 
 def _norm(config: ModelConfig, dim: int, dtype, axis: str) -> RMSNorm:
-    return RMSNorm(dim, config.rms_norm_eps, dtype, axis, config.norm_offset)
+    return RMSNorm(dim, config.rms_norm_eps, dtype, axis, config.norm_offset, config.norm_scale_in_float32)
 
 
 class Embedding(nnx.Module):

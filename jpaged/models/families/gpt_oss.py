@@ -31,6 +31,7 @@ def _features(hf: Mapping[str, Any]) -> dict[str, Any]:
         attention_bias=bias,
         attention_output_bias=bias,
         attention_sinks=True,
+        norm_scale_in_float32=True,
         sliding_window=window,
         sliding_layers=tuple(t == "sliding_attention" for t in types) if window else None,
         num_experts=hf["num_local_experts"],
