@@ -7,10 +7,13 @@ outputs stream past.
 
 from __future__ import annotations
 
+import itertools
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from jpaged.engine.async_engine import AsyncLLMEngine
+from jpaged.engine.engine_metrics import ExpertLoad
 from jpaged.outputs import RequestOutput
 
 # vLLM's buckets, so dashboards built for vLLM read these unchanged.
@@ -56,6 +59,23 @@ class EngineCollector:
             family = CounterMetricFamily(f"jpaged:{name}", doc, labels=["model_name"])
             family.add_metric([self._model_name], float(values[key]))
             yield family
+        load = self._engine.expert_load()
+        if load is not None:
+            yield expert_load_family(load, self._model_name)
+
+
+def expert_load_family(load: ExpertLoad, model_name: str) -> HistogramMetricFamily:
+    """A mixture of experts' load as a Prometheus histogram: one observation an expert of a layer a step, the
+    tokens it took (an even load puts them all near tokens * top-k / experts)."""
+    family = HistogramMetricFamily(
+        "jpaged:moe_expert_tokens",
+        "Tokens one expert of one layer took in one step (a mixture of experts' load balance).",
+        labels=["model_name"],
+    )
+    cumulative = list(itertools.accumulate(load.counts))
+    bounds = [*(str(float(b)) for b in load.buckets), "+Inf"]
+    family.add_metric([model_name], list(zip(bounds, cumulative, strict=True)), float(load.total))
+    return family
 
 
 class ServerMetrics:

@@ -1,14 +1,18 @@
 """Mixtures of experts through the engine (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, gpt-oss): greedy
 generation follows transformers token for token, with logprobs within 1e-4, for prompts of several lengths
 prefilled in chunks, from a cached prefix, under preemption and with async scheduling; and whatever the routing
-does (the experts' group sizes are data), nothing compiles after warm-up."""
+does (the experts' group sizes are data), nothing compiles after warm-up; the experts' load is a Prometheus
+histogram."""
 
 from __future__ import annotations
 
 import pytest
 from greedy import assert_same_greedy, hf_greedy
+from jpaged_server.metrics import expert_load_family
+from prometheus_client import CollectorRegistry, generate_latest
 
 from jpaged import LLM, SamplingParams
+from jpaged.engine.engine_metrics import ExpertLoad
 
 # Chunks of 16 tokens, so the 45-token prompt is prefilled in three steps.
 ARGS = dict(max_model_len=96, max_num_batched_tokens=16, max_num_seqs=4)
@@ -72,3 +76,42 @@ def test_nothing_compiles_after_warm_up_whatever_the_routing(moe):
     greedy(llm, PROMPTS[:1], max_tokens=20)
     llm.beam_search([{"prompt_token_ids": PROMPTS[2]}], beam_width=3, max_tokens=4)
     assert llm.metrics()["num_compilations"] == compiled
+
+
+def test_the_expert_load_histogram_counts_every_routed_token_of_every_layer(moe):
+    """Each (layer, expert) of a step is one observation of the tokens it took: over a generate, the observations
+    add up to every computed token times top-k times the layers, and come in whole steps of L x E."""
+    _, llm = moe
+    config = llm.engine.model_config
+    before = llm.engine.expert_load()
+    prompts = [[3000 + 11 * i + j for j in range(n)] for i, n in enumerate((9, 21))]  # fresh: nothing cached
+    max_tokens = 5
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    after = llm.engine.expert_load()
+    computed = sum(len(p) + max_tokens - 1 for p in prompts)  # the last sampled token is never fed back
+    per_token = config.num_experts_per_tok * config.num_layers
+    assert after.total - before.total == computed * per_token
+    observations = sum(after.counts) - sum(before.counts)
+    assert observations > 0 and observations % (config.num_layers * config.num_experts) == 0
+    assert after.buckets == before.buckets and len(after.counts) == len(after.buckets) + 1
+
+
+def test_the_server_exports_the_expert_load_as_a_prometheus_histogram():
+    load = ExpertLoad((0, 1, 2, 4))
+    load.add(
+        [3, 0, 5, 1, 2, 23]
+    )  # a step: 3 experts idle, 5 with two tokens, 1 with 3 or 4, 2 past 4; 23 pairs
+    load.add([1, 1, 0, 0, 0, 1])
+
+    class Exported:
+        def collect(self):
+            yield expert_load_family(load, "tiny")
+
+    registry = CollectorRegistry()
+    registry.register(Exported())
+    text = generate_latest(registry).decode()
+    for le, cumulative in (("0.0", 4), ("1.0", 5), ("2.0", 10), ("4.0", 11), ("+Inf", 13)):
+        assert f'jpaged:moe_expert_tokens_bucket{{le="{le}",model_name="tiny"}} {cumulative}.0' in text
+    assert 'jpaged:moe_expert_tokens_sum{model_name="tiny"} 24.0' in text
+    assert 'jpaged:moe_expert_tokens_count{model_name="tiny"} 13.0' in text

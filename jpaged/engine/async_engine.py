@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
 from jpaged.config import EngineConfig
+from jpaged.engine.engine_metrics import ExpertLoad
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.engine.pooling_engine import engine_for
 from jpaged.outputs import RequestOutput
@@ -127,6 +128,10 @@ class AsyncLLMEngine:
     def metrics(self) -> dict[str, float]:
         with self._lock:
             return self.engine.metrics()
+
+    def expert_load(self) -> ExpertLoad | None:
+        with self._lock:
+            return self.engine.expert_load()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop thread once the in-flight requests finish or `timeout` passes, then abort the rest."""

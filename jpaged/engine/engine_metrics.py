@@ -6,12 +6,34 @@ metrics objects; its only counts of its own are the tokens (TokenCounts). Host-s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jpaged.core.block_manager import BlockManager
     from jpaged.core.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class ExpertLoad:
+    """A mixture of experts' load summed over the steps so far, as the steps' histograms (runner/expert_load.py)
+    come back: each (layer, expert) of a step one observation, the number of the step's tokens it took."""
+
+    buckets: tuple[int, ...]  # the buckets' upper bounds; a last bucket past them (+Inf)
+    counts: list[int] = field(
+        default_factory=list
+    )  # observations a bucket (not cumulative), len(buckets) + 1
+    total: int = 0  # the observations' sum: (token, expert) pairs routed, over every layer
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.buckets) + 1)
+
+    def add(self, step: Sequence[int]) -> None:
+        """A step's histogram: its buckets' counts, then its sum."""
+        *counts, total = (int(n) for n in step)
+        self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
+        self.total += total
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Request, SequenceState, SequenceStatus
 from jpaged.engine.beam_driver import BeamDriver
 from jpaged.engine.constrained_decoding import ConstrainedDecoding
-from jpaged.engine.engine_metrics import TokenCounts, engine_metrics
+from jpaged.engine.engine_metrics import ExpertLoad, TokenCounts, engine_metrics
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.request_checks import RequestChecks
 from jpaged.engine.scheduled_step import InFlightStep, ScheduledStep, scheduled_step
@@ -34,6 +34,7 @@ from jpaged.models.llama import abstract_params, as_params, params_dtype
 from jpaged.models.loader import LoadedModel
 from jpaged.models.params import check_same_leaves, weights_spec
 from jpaged.outputs import RequestOutput
+from jpaged.runner import expert_load
 from jpaged.runner.leader_runner import load_model_everywhere, start_runner
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.sampling_inputs import SamplerOutput
@@ -101,6 +102,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._private_salts = itertools.count()
         self.counters = TokenCounts()
+        self._expert_load = ExpertLoad(expert_load.BUCKETS) if mc.num_experts else None
         self._in_flight: InFlightStep | None = None  # launched, its tokens not processed yet (async)
         self._held: list[RequestOutput] = []  # outputs processed outside step(), returned by the next one
         self._prefix_hint = PrefixHint(config.block_size) if config.enable_prefix_caching else None
@@ -326,6 +328,8 @@ class LLMEngine:
         become hittable), then the sampled tokens."""
         output = step.output.result()
         now = time.time()  # one clock reading for every token of the step
+        if output.expert_load is not None:
+            self._expert_load.add(output.expert_load)
         scheduled = step.scheduled
         seqs, num_new_tokens = scheduled.seqs, scheduled.num_new_tokens
         computed = scheduled.schedule.num_computed
@@ -420,6 +424,12 @@ class LLMEngine:
     def metrics(self) -> dict[str, float]:
         """Queue sizes, KV usage, token and prefix-cache counters, compilations (see engine_metrics)."""
         return engine_metrics(self.blocks, self.scheduler, self.counters, self.runner.num_compilations)
+
+    def expert_load(self) -> ExpertLoad | None:
+        """A mixture of experts' load histogram so far (a copy; None for a dense model): how many of a step's
+        tokens each expert of each layer took, one observation each."""
+        load = self._expert_load
+        return None if load is None else ExpertLoad(load.buckets, list(load.counts), load.total)
 
     def reset_prefix_cache(self) -> bool:
         return self.blocks.reset_prefix_cache()

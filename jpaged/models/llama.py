@@ -227,11 +227,15 @@ class DecoderLayer(nnx.Module):
 
     def __call__(
         self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, step: StepContext
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+        """((x, k_cache, v_cache) after the layer, its experts' token counts [E] (none for a dense MLP))."""
         h, k_cache, v_cache = self.attn(self.attn_norm(x), k_cache, v_cache, layer, step)
         x = x + (h if self.attn_post_norm is None else self.attn_post_norm(h))
-        h = self.mlp(self.mlp_norm(x), layer, step)
-        return x + (h if self.mlp_post_norm is None else self.mlp_post_norm(h)), k_cache, v_cache
+        if isinstance(self.mlp, SparseMoE):
+            h, counts = self.mlp(self.mlp_norm(x), layer, step)
+        else:
+            h, counts = self.mlp(self.mlp_norm(x), layer, step), jnp.zeros((0,), jnp.int32)
+        return (x + (h if self.mlp_post_norm is None else self.mlp_post_norm(h)), k_cache, v_cache), counts
 
 
 def _layer_stack(config: ModelConfig, dtype) -> DecoderLayer:
@@ -265,7 +269,7 @@ class CausalLM(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """Run the step's tokens through the model; returns (float32 logits [R, V] of the rows
         `batch.logits_indices` names, updated cache)."""
-        x, kv_cache = self.hidden_states(kv_cache, batch, attention=attention, products=products)
+        x, kv_cache, _ = self.hidden_states(kv_cache, batch, attention=attention, products=products)
         return self.logits(x[batch.logits_indices], batch.num_logits[0], products), kv_cache
 
     def hidden_states(
@@ -276,7 +280,8 @@ class CausalLM(nnx.Module):
         attention: Callable,
         products: MatrixProducts = STACKED,
     ) -> tuple[jax.Array, KVCache]:
-        """The last layer's output for every token [T, D] (before the final norm), and the updated cache."""
+        """The last layer's output for every token [T, D] (before the final norm), the updated cache, and how many
+        of the step's tokens each layer's experts took [L, E] (a mixture of experts'; [L, 0] for a dense model)."""
         c = self.config
         dtype = self.final_norm.weight[...].dtype
         block_size = kv_cache.k.shape[2]
@@ -300,12 +305,12 @@ class CausalLM(nnx.Module):
 
         def layer(carry, xs):
             state, index = xs
-            return nnx.merge(graphdef, whole, state)(*carry, index, step), None
+            return nnx.merge(graphdef, whole, state)(*carry, index, step)
 
         x = self.embed(batch.token_ids, products)
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (sliced, layer_ids))
-        return x, KVCache(k_cache, v_cache)
+        (x, k_cache, v_cache), counts = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (sliced, layer_ids))
+        return x, KVCache(k_cache, v_cache), counts
 
     def logits(self, x: jax.Array, rows: jax.Array, products: MatrixProducts = STACKED) -> jax.Array:
         """float32 logits [R, V] of hidden states x [R, D], soft-capped where the config says (Gemma 2); rows past

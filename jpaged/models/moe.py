@@ -18,7 +18,7 @@ from flax import nnx
 
 from jpaged.models.activations import ClampedSwiGLU, act_and_mul
 from jpaged.models.config import ModelConfig
-from jpaged.models.experts import route
+from jpaged.models.experts import expert_counts, route
 
 if TYPE_CHECKING:
     from jpaged.models.llama import StepContext
@@ -44,7 +44,8 @@ class SparseMoE(nnx.Module):
         self.shared_down = _weight((fs, d), dtype, (MLP, EMBED)) if fs else None
         self.shared_gate = _weight((d, 1), dtype, (EMBED, None)) if fs else None
 
-    def __call__(self, x: jax.Array, layer: jax.Array, step: StepContext) -> jax.Array:
+    def __call__(self, x: jax.Array, layer: jax.Array, step: StepContext) -> tuple[jax.Array, jax.Array]:
+        """The block's output [T, D], and how many of the step's live tokens each expert took [E]."""
         c = self.config
         logits = x @ self.router[...]
         weights, experts = route(logits if self.router_bias is None else logits + self.router_bias[...], c)
@@ -56,13 +57,14 @@ class SparseMoE(nnx.Module):
         out = step.products.mixture(
             x, weights, experts, gate_up, down, layer, live, expert_activation(c), biases
         )
+        counts = expert_counts(experts, live, c.num_experts)
         if self.shared_gate_up is None:
-            return out
+            return out, counts
         fs = c.shared_expert_intermediate_size
         groups = step.products.fused_groups
         shared = act_and_mul(x @ self.shared_gate_up[...], (fs, fs), groups, c.hidden_activation)
         gate = jax.nn.sigmoid(x @ self.shared_gate[...])
-        return out + gate * (shared @ self.shared_down[...])
+        return out + gate * (shared @ self.shared_down[...]), counts
 
 
 def expert_activation(config: ModelConfig) -> str | ClampedSwiGLU:

@@ -1,5 +1,5 @@
 """The device step as two pure functions, dispatched back to back: the forward (params, KV cache, last tokens, the
-packed batch) -> (KV cache, logits, hidden states), and the sampling (logits, last tokens, packed sampling inputs,
+packed batch) -> (KV cache, logits, hidden states, expert load), and the sampling (logits, last tokens, packed sampling inputs,
 wide sampling inputs) -> (last tokens, sampled rows). The runner jits the forward once per shape bucket with the
 cache donated, the sampling once per row count with the last tokens donated; prompt logprobs are a third program
 over the step's hidden states, one per token bucket.
@@ -23,6 +23,7 @@ from flax import nnx
 
 from jpaged.models.llama import KVCache
 from jpaged.models.products import MatrixProducts
+from jpaged.runner.expert_load import load_histogram
 from jpaged.runner.packed_inputs import unpack
 from jpaged.runner.sampler import gather_logprobs, sample
 from jpaged.sampling_params import MAX_LOGPROBS
@@ -41,16 +42,17 @@ def forward_step(
     logits_sharding,
 ):
     """`packed` holds the step's batch (packed_inputs.py). Returns the KV cache, the float32 logits [S, V] of the
-    rows to sample (in `logits_sharding` where a mesh splits them), and every token's hidden states [T, D], which
-    `prompt_logprobs` reads when a request asks for them (kept on the device otherwise)."""
+    rows to sample (in `logits_sharding` where a mesh splits them), every token's hidden states [T, D], which
+    `prompt_logprobs` reads when a request asks for them (kept on the device otherwise), and the step's
+    expert-load histogram (expert_load.py; all zero for a dense model)."""
     batch = unpack(packed, layout)
     batch = batch._replace(token_ids=with_last_tokens(batch.token_ids, last_tokens))
     model = nnx.merge(graphdef, params)
-    hidden, kv_cache = model.hidden_states(kv_cache, batch, attention=attention, products=products)
+    hidden, kv_cache, counts = model.hidden_states(kv_cache, batch, attention=attention, products=products)
     logits = model.logits(hidden[batch.logits_indices], batch.num_logits[0], products)
     if logits_sharding is not None:
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    return kv_cache, logits, hidden
+    return kv_cache, logits, hidden, load_histogram(counts)
 
 
 def sample_step(logits, last_tokens, packed, wide, *, layout, branch_free):
@@ -83,7 +85,7 @@ class StepFunctions(NamedTuple):
     def whole(self, params, kv_cache, last_tokens, batch, sampling, wide, *, batch_layout, sampling_layout):
         """Both halves as one function, for what looks at a whole step: its memory at the peak
         (activation_peak.py), its primitives (tests)."""
-        kv_cache, logits, hidden = self.forward(params, kv_cache, last_tokens, batch, layout=batch_layout)
+        kv_cache, logits, hidden, _ = self.forward(params, kv_cache, last_tokens, batch, layout=batch_layout)
         last_tokens, sampled = self.sample(logits, last_tokens, sampling, wide, layout=sampling_layout)
         return kv_cache, last_tokens, sampled, hidden
 

@@ -206,13 +206,13 @@ class ModelRunner:
         packed, layout = pack(step.batch)
         self._not_run.pop(layout, None)
         compiled = self.programs.forward(layout)
-        self.kv_cache, logits, hidden = compiled(self.params, self.kv_cache, self.last_tokens, packed)
+        self.kv_cache, logits, hidden, load = compiled(self.params, self.kv_cache, self.last_tokens, packed)
         prompt = None
         if step.prompt_targets is not None:
             num_tokens = np.array([step.batch.query_start[step.batch.num_seqs[0]]], np.int32)
             program = self.programs.prompt(len(step.prompt_targets))
             prompt = program(self.params, hidden, step.prompt_targets, num_tokens)
-        self._forwarded = (logits, prompt)
+        self._forwarded = (logits, prompt, load if self.model_config.num_experts else None)
 
     @property
     def forward_running(self) -> bool:
@@ -224,11 +224,11 @@ class ModelRunner:
         """Sample the forward just dispatched; its outputs follow to the host while the host goes on."""
         if self._forwarded is None:
             raise RuntimeError("sample() needs a forward() dispatched before it")
-        (logits, prompt), self._forwarded = self._forwarded, None
+        (logits, prompt, load), self._forwarded = self._forwarded, None
         packed, layout, wide = self._sampling_inputs(sampling)
         program = self.programs.sample(layout, wide["history"].shape[1])
         self.last_tokens, sampled = program(logits, self.last_tokens, packed, wide)
-        return PendingOutput(sampled, prompt)
+        return PendingOutput(sampled, prompt, load)
 
     def _sampling_inputs(self, sampling: SamplingTensors):
         """The sampling tensors' packed buffer (one transfer), its layout, and the wide fields: the host's where

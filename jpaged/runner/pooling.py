@@ -54,7 +54,7 @@ def pooling_forward(
     del last_tokens
     batch = unpack(packed, layout)
     model = nnx.merge(graphdef, params)
-    hidden, kv_cache = model.hidden_states(kv_cache, batch, attention=attention, products=products)
+    hidden, kv_cache, _ = model.hidden_states(kv_cache, batch, attention=attention, products=products)
     return kv_cache, POOLINGS[pooling](hidden, batch, model.final_norm)
 
 

@@ -18,16 +18,16 @@ class StepOutput:
 
     sampled: SamplerOutput
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    expert_load: np.ndarray | None = None  # the step's expert-load histogram (expert_load.py)
 
 
 class PendingOutput:
     """A dispatched step's outputs on their way to the host: `result()` waits for them."""
 
-    def __init__(self, sampled, prompt_logprobs) -> None:
-        self._arrays = (sampled, prompt_logprobs)
+    def __init__(self, sampled, prompt_logprobs, expert_load=None) -> None:
+        self._arrays = (sampled, prompt_logprobs, expert_load)
         for leaf in jax.tree_util.tree_leaves(self._arrays):
             leaf.copy_to_host_async()
 
     def result(self) -> StepOutput:
-        sampled, prompt_logprobs = jax.tree_util.tree_map(np.asarray, self._arrays)
-        return StepOutput(sampled, prompt_logprobs)
+        return StepOutput(*jax.tree_util.tree_map(np.asarray, self._arrays))
