@@ -75,6 +75,10 @@ def build_app(
         strict_request_fields=strict_request_fields,
         harmony=harmony_for(engine),
     )
+    if app.state.server.harmony is not None and (chat_template or auto_tool_parser or reasoning_parser):
+        logger.warning(
+            "gpt-oss chats in harmony: --chat-template, --tool-call-parser and --reasoning-parser unused"
+        )
     app.state.responses = ResponseStore(max_stored_responses)  # the Responses API's previous_response_id
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, state=app.state.server)

@@ -229,13 +229,10 @@ class HarmonyStream:
         self._parser = StreamableParser(reply.encoding, Role.ASSISTANT)
         self._message_token = _message_token(reply.encoding)
         self._broken = False
-        self._kind: str | None = (
-            None  # the message being read: "reasoning", "content", "call" or None (skipped)
-        )
-        self._said = {
-            "reasoning": False,
-            "content": False,
-        }  # a later message of the kind starts on a new line
+        # The message being read: "reasoning", "content", "call" or None (not the assistant's: skipped).
+        self._kind: str | None = None
+        # Whether a message of the kind came before: a later one starts on a new line.
+        self._said = {"reasoning": False, "content": False}
         self.whole = _Reading()
 
     @property

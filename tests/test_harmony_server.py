@@ -169,6 +169,9 @@ def test_a_forced_tool_call_is_a_400_naming_tool_choice(calls):
     assert_400(response, "tool_choice", "auto")
 
 
-def test_only_gpt_oss_chats_in_harmony():
+def test_only_gpt_oss_chats_in_harmony_and_the_parser_flags_it_leaves_unused_are_named(caplog):
     assert build_app(ScriptedEngine([]), "m").state.server.harmony is not None
     assert build_app(ScriptedEngine([], architecture="llama"), "m").state.server.harmony is None
+    assert "--reasoning-parser unused" not in caplog.text
+    build_app(ScriptedEngine([]), "m", reasoning_parser="qwen3")
+    assert "--reasoning-parser unused" in caplog.text
