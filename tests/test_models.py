@@ -133,9 +133,10 @@ def test_nnx_modules_give_the_logits_of_the_functional_model_they_replaced(famil
     assert_same_logits_as_before_the_port(loaded, layout, (5, 16, 23, 41))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_bias"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_bias", "qwen2_moe"])
 def test_fused_columns_grouped_per_shard_give_the_same_logits(family, tiny_model_dir):
-    """Tensor parallelism's layout of QKV (and its bias) and gate/up: run g holds shard g's heads and columns."""
+    """Tensor parallelism's layout of QKV (and its bias) and gate/up (a mixture's experts' and shared expert's):
+    run g holds shard g's heads and columns."""
     loaded = load_model(str(tiny_model_dir(family)), progress=False)
     rng = np.random.default_rng(3)
     prompts = [list(map(int, rng.integers(0, loaded.config.vocab_size, n))) for n in (7, 12)]

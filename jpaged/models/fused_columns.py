@@ -1,7 +1,7 @@
-"""Fused matrices' columns (q|k|v of the QKV projection and its bias, gate|up of the MLP) and how they are grouped
-for tensor parallelism: in `groups` runs, run g holding shard g's part of every part, so that each shard's
-columns are whole heads of q, k and v and matching columns of gate and up. One group is the loaders' plain
-concatenation."""
+"""Fused matrices' columns (q|k|v of the QKV projection and its bias, gate|up of the MLP, of each expert and of
+the shared expert) and how they are grouped for tensor parallelism: in `groups` runs, run g holding shard g's part
+of every part, so that each shard's columns are whole heads of q, k and v and matching columns of gate and up. One
+group is the loaders' plain concatenation."""
 
 from __future__ import annotations
 
@@ -14,11 +14,32 @@ import numpy as np
 
 from jpaged.models.config import ModelConfig
 
+# Each fused leaf by its path in a DecoderLayer's state, and the fused_sizes entry its columns follow.
+FUSED_LEAVES = {
+    ("attn", "qkv"): "qkv",
+    ("attn", "qkv_bias"): "qkv",
+    ("mlp", "gate_up"): "gate_up",
+    ("mlp", "experts_gate_up"): "experts_gate_up",
+    ("mlp", "experts_gate_up_bias"): "experts_gate_up",
+    ("mlp", "shared_gate_up"): "shared_gate_up",
+}
+
 
 def fused_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The parts of each fused matrix's columns: q, k, v of qkv (and its bias); gate, up of gate_up."""
+    """The parts of each fused matrix's columns: q, k, v of qkv (and its bias); gate, up of gate_up, and of a
+    mixture of experts' experts_gate_up (each expert's) and shared_gate_up (models/moe.py)."""
     kv = config.num_kv_heads * config.head_dim
-    return {"qkv": (config.num_heads * config.head_dim, kv, kv), "gate_up": (config.intermediate_size,) * 2}
+    sizes = {"qkv": (config.num_heads * config.head_dim, kv, kv), "gate_up": (config.intermediate_size,) * 2}
+    if config.num_experts:
+        sizes["experts_gate_up"] = (config.expert_intermediate_size,) * 2
+    if config.shared_expert_intermediate_size:
+        sizes["shared_gate_up"] = (config.shared_expert_intermediate_size,) * 2
+    return sizes
+
+
+def fused_leaves(layers: dict) -> dict[tuple[str, str], str]:
+    """The FUSED_LEAVES a model's layers (its state's "layers" tree, or any tree of some of its leaves) hold."""
+    return {path: sizes for path, sizes in FUSED_LEAVES.items() if path[1] in layers.get(path[0], {})}
 
 
 def split_fused(x: jax.Array, sizes: tuple[int, ...], groups: int) -> list[jax.Array]:
@@ -42,12 +63,10 @@ def by_columns(function: Callable[[jax.Array], jax.Array], weight):
 
 
 def group_fused_columns(params: dict, config: ModelConfig, groups: int) -> dict:
-    """The loaders' params with the fused matrices' (and the QKV bias') columns in `groups` runs, as
-    `split_fused` reads them: run g holds part g of every part's columns (for tensor parallelism, shard g)."""
+    """The loaders' params (or any tree of some of their layers' leaves) with the fused matrices' (and the QKV
+    bias') columns in `groups` runs, as `split_fused` reads them: run g holds part g of every part's columns (for
+    tensor parallelism, shard g)."""
     sizes = fused_sizes(config)
-    for name, parts in sizes.items():
-        if any(size % groups for size in parts):
-            raise ValueError(f"{groups} shards do not divide the {name} parts {parts}")
 
     def regroup(x, parts):
         pieces = jnp.split(jnp.asarray(x), np.cumsum(parts)[:-1], axis=-1)
@@ -55,11 +74,12 @@ def group_fused_columns(params: dict, config: ModelConfig, groups: int) -> dict:
         return jnp.concatenate(runs, axis=-1).reshape(*x.shape)
 
     grouped = jax.tree_util.tree_map(lambda leaf: leaf, params)  # new dicts, the same arrays
-    attn, mlp = grouped["layers"]["attn"], grouped["layers"]["mlp"]
-    attn["qkv"] = by_columns(functools.partial(regroup, parts=sizes["qkv"]), attn["qkv"])
-    if "qkv_bias" in attn:
-        attn["qkv_bias"] = regroup(attn["qkv_bias"], sizes["qkv"])
-    mlp["gate_up"] = by_columns(functools.partial(regroup, parts=sizes["gate_up"]), mlp["gate_up"])
+    for (parent, name), part in fused_leaves(grouped["layers"]).items():
+        parts = sizes[part]
+        if any(size % groups for size in parts):
+            raise ValueError(f"{groups} shards do not divide the {part} parts {parts}")
+        node = grouped["layers"][parent]
+        node[name] = by_columns(functools.partial(regroup, parts=parts), node[name])
     return grouped
 
 

@@ -73,34 +73,48 @@ class StoredWeight(LazyWeight):
 @dataclass(frozen=True, eq=False)
 class FusedWeight(LazyWeight):
     """A leaf made of transformers tensors as its recipe says (joined along the last axis, linear weights
-    transposed, per-layer ones stacked), each part read only over the rows and columns asked for."""
+    transposed, per-expert ones stacked on a leading experts axis, per-layer ones on a leading layers axis before
+    it), each part read only over the layers, experts, rows and columns asked for: a device that holds some of
+    the experts reads only theirs."""
 
     recipe: LeafRecipe
     slicer: Slicer
     num_layers: int
     shape: tuple[int, ...]
     dtype: np.dtype
+    num_experts: int = 0
 
     @classmethod
-    def of(cls, recipe: LeafRecipe, slicer: Slicer, num_layers: int, dtype) -> FusedWeight:
-        shapes = [tuple(slicer(name.format(i=0)).get_shape()) for name in recipe.names]
+    def of(
+        cls, recipe: LeafRecipe, slicer: Slicer, num_layers: int, dtype, num_experts: int = 0
+    ) -> FusedWeight:
+        shapes = [tuple(slicer(name.format(i=0, j=0)).get_shape()) for name in recipe.names]
         shapes = [shape[::-1] for shape in shapes] if recipe.transposed else shapes
         shape = (*shapes[0][:-1], sum(shape[-1] for shape in shapes))
-        return cls(
-            recipe, slicer, num_layers, (num_layers, *shape) if recipe.per_layer else shape, np.dtype(dtype)
-        )
+        stacked = (num_layers,) * recipe.per_layer + (num_experts,) * recipe.per_expert
+        return cls(recipe, slicer, num_layers, (*stacked, *shape), np.dtype(dtype), num_experts)
 
     def __getitem__(self, index) -> np.ndarray:
-        if not self.recipe.per_layer:
-            return self._read(None, index)
-        return np.stack([self._read(layer, index[1:]) for layer in range(self.num_layers)[index[0]]])
+        stacked = (("i", self.num_layers),) * self.recipe.per_layer
+        stacked += (("j", self.num_experts),) * self.recipe.per_expert
+        return self._stacked({}, stacked, tuple(index))
 
-    def _read(self, layer: int | None, index) -> np.ndarray:
+    def _stacked(self, at: dict[str, int], stacked: tuple, index: tuple) -> np.ndarray:
+        """The part `index` of the leaf's stack over the `stacked` axes (a name's key, how many), the tensors at
+        `at` (layer "i", expert "j") already chosen."""
+        if not stacked:
+            return self._read(at, index)
+        (key, count), *rest = stacked
+        return np.stack(
+            [self._stacked({**at, key: n}, tuple(rest), index[1:]) for n in range(count)[index[0]]]
+        )
+
+    def _read(self, at: dict[str, int], index) -> np.ndarray:
         *lead, last = index
         columns = _columns(last, self.shape[-1])
         parts, offset = [], 0  # (where in the result, its columns read from one part)
         for name in self.recipe.names:
-            tensor = self.slicer(name.format(i=layer))
+            tensor = self.slicer(name.format(i=at.get("i"), j=at.get("j")))
             size = tensor.get_shape()[0 if self.recipe.transposed else -1]
             wanted = (columns >= offset) & (columns < offset + size)
             if wanted.any():

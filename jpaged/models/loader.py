@@ -130,7 +130,8 @@ def load_model(
             slicer = safetensors_slicer(source.path)
             recipes = hf_recipes(config).items()
             flat = {
-                path: FusedWeight.of(recipe, slicer, config.num_layers, dtype) for path, recipe in recipes
+                path: FusedWeight.of(recipe, slicer, config.num_layers, dtype, config.num_experts)
+                for path, recipe in recipes
             }
             params = unflatten_dict(flat, sep="/")
         else:

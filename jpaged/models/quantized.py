@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.config import QUANTIZATIONS
-from jpaged.models.products import LAYER_MATRICES, StackedProducts, WholeLeaf
+from jpaged.models.products import StackedProducts, WholeLeaf, layer_matrices
 
 # The largest magnitude each stores symmetrically (e4m3's finite maximum): what a fitted scale maps onto.
 _LARGEST = {"int8": 127.0, "fp8": 448.0}
@@ -141,7 +141,7 @@ class QuantizedProducts(StackedProducts):
 
     def hold(self, params: dict) -> dict:
         laid_out = jax.tree_util.tree_map(lambda leaf: leaf, params)  # new dicts, same arrays
-        for parent, leaf in LAYER_MATRICES.values():
+        for parent, leaf in layer_matrices(laid_out["layers"]).values():
             node = laid_out["layers"][parent]
             if not isinstance(node[leaf], QuantizedMatrix):  # a checkpoint's own are kept
                 node[leaf] = quantize(node[leaf], self.scheme)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jpaged.models.grouped import GroupedMatrix, GroupedProducts, LaidOutGroups, is_grouped
-from jpaged.models.products import LAYER_MATRICES
+from jpaged.models.products import layer_matrices
 from jpaged.pallas import gpu_grouped_matmul
 
 
@@ -51,7 +51,7 @@ class KernelGroupedProducts(GroupedProducts):
 
     def hold(self, params: dict) -> dict:
         laid_out = jax.tree_util.tree_map(lambda leaf: leaf, params, is_leaf=is_grouped)
-        for parent, leaf in LAYER_MATRICES.values():
+        for parent, leaf in layer_matrices(laid_out["layers"]).values():
             node = laid_out["layers"][parent]
             node[leaf] = _held(node[leaf])
         if "lm_head" in laid_out:

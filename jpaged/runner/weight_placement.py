@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jpaged.models.checkpoint import CheckpointedWeight
 from jpaged.models.config import ModelConfig
-from jpaged.models.fused_columns import replicate_kv_heads
+from jpaged.models.fused_columns import fused_leaves, replicate_kv_heads
 from jpaged.models.lazy_weights import LazyWeight
 from jpaged.models.products import MatrixProducts
 from jpaged.runner.tensor_parallel import (
@@ -92,18 +92,18 @@ class WeightPlacement:
         return self.to_device(self.layout(read))
 
     def _fused_columns(self, params: dict) -> dict[str, np.ndarray]:
-        """For each fused leaf (by key path), the loaders' column each of its step-layout columns comes from:
-        the layout applied to the columns' indices."""
-        attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
-        indices = {
-            "layers": {
-                "attn": {"qkv": np.arange(attn["qkv"].shape[-1])},
-                "mlp": {"gate_up": np.arange(mlp["gate_up"].shape[-1])},
-            }
-        }
+        """For each fused leaf (by key path) whose columns the layout moves, the loaders' column each of its
+        step-layout columns comes from: the layout applied to the columns' indices."""
+        fused = fused_leaves(params["layers"])
+        indices: dict = {"layers": {}}
+        for parent, name in fused:
+            indices["layers"].setdefault(parent, {})[name] = np.arange(
+                params["layers"][parent][name].shape[-1]
+            )
         laid_out = self.arrange(indices)["layers"]
-        qkv, gate_up = np.asarray(laid_out["attn"]["qkv"]), np.asarray(laid_out["mlp"]["gate_up"])
-        columns = {"['layers']['attn']['qkv']": qkv, "['layers']['mlp']['gate_up']": gate_up}
-        if "qkv_bias" in attn:
-            columns["['layers']['attn']['qkv_bias']"] = qkv  # the bias's columns are the matrix's
+        columns = {}
+        for parent, name in fused:
+            source = np.asarray(laid_out[parent][name])
+            if not np.array_equal(source, indices["layers"][parent][name]):  # moved (not whole experts)
+                columns[f"['layers']['{parent}']['{name}']"] = source
         return columns
