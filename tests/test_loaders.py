@@ -73,12 +73,12 @@ def test_sharded_safetensors_load_like_a_single_file(tiny_model_dir, tmp_path, d
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2_bias", "qwen3_qk_norm", "qwen2_moe", "default"])
+@pytest.mark.parametrize("family", ["qwen2_bias", "qwen3_qk_norm", "qwen2_moe", "gpt_oss", "default"])
 def test_lazy_weights_read_what_the_whole_arrays_hold_at_any_part(family, tiny_model_dir, default_gguf):
     """A lazy weight (tensor parallelism's loading) has its leaf's shape and dtype, and any part of it (slices,
     the last axis also as gathered columns in any order, which is how a shard takes its fused columns) is that
     part of the eagerly loaded array: from HF safetensors (a mixture's expert stacks [L, E, ...] by layers and
-    experts too) and from the GGUF conversion cache."""
+    experts too, gpt-oss's interleaved gate/up as gate | up) and from the GGUF conversion cache."""
     model = str(default_gguf if family == "default" else tiny_model_dir(family))
     eager = load_model(model, progress=False).params  # also fills the GGUF conversion cache
     lazy = load_model(model, progress=False, lazy=True).params

@@ -73,7 +73,7 @@ class StoredWeight(LazyWeight):
 @dataclass(frozen=True, eq=False)
 class FusedWeight(LazyWeight):
     """A leaf made of transformers tensors as its recipe says (joined along the last axis, linear weights
-    transposed, per-expert ones stacked on a leading experts axis, per-layer ones on a leading layers axis before
+    transposed, interleaved gate/up columns read as gate | up, per-expert ones stacked on a leading experts axis, per-layer ones on a leading layers axis before
     it), each part read only over the layers, experts, rows and columns asked for: a device that holds some of
     the experts reads only theirs."""
 
@@ -124,7 +124,11 @@ class FusedWeight(LazyWeight):
                         return tensor[cols, lead[0]].T
                     return tensor[(*lead, cols)]
 
-                parts.append((wanted, _read_columns(read, columns[wanted] - offset)))
+                local = columns[wanted] - offset
+                if self.recipe.interleaved:  # our gate | up is the tensor's alternate columns
+                    half = size // 2
+                    local = np.where(local < half, 2 * local, 2 * (local - half) + 1)
+                parts.append((wanted, _read_columns(read, local)))
             offset += size
         result = np.empty((*parts[0][1].shape[:-1], len(columns)), self.dtype)
         for wanted, values in parts:
