@@ -46,6 +46,9 @@ class EngineConfig:
     dtype: str = "auto"  # bfloat16 on GPU/TPU and on CPUs with bfloat16 dot products, else float32
     seed: int = 0
     tensor_parallel_size: int = 1
+    # A mixture of experts' experts split whole over the tensor-parallel devices (E / tp each), attention still
+    # split by heads (vLLM's --enable-expert-parallel; runner/expert_parallel.py). No effect at tp 1 or without experts.
+    enable_expert_parallel: bool = False
     attention_impl: str = "auto"  # "reference" (XLA), "pallas" (GPU/TPU) or "cpu" (C++); see ATTENTION_IMPLS
     enforce_eager: bool = False  # skip warm-up; buckets compile on first use
     # Schedule step N+1 while step N runs (its sampled tokens feed N+1 on the device); None: the platform's

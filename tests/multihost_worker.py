@@ -2,6 +2,8 @@
 preemption: swap is one process's) at one tensor_parallel_size, printed as one JSON line.
 
   python tests/multihost_worker.py MODEL_PATH TP
+  python tests/multihost_worker.py MODEL_PATH TP --enable-expert-parallel   # the greedy generation alone, a mixture
+                                                                            # of experts' experts split whole
 
 Alone, it is one process. Started twice with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES=2 and JAX_PROCESS_ID set,
 it is one engine over both processes: process 0 generates and prints, process 1 follows it.
@@ -21,4 +23,9 @@ if __name__ == "__main__":
     from tensor_parallel_worker import engine_features, run
 
     model, tp = sys.argv[1], int(sys.argv[2])
-    print(json.dumps({"run": run(model, tp), "features": engine_features(model, tp, modes=("recompute",))}))
+    if sys.argv[3:] == ["--enable-expert-parallel"]:
+        print(json.dumps({"run": run(model, tp, expert_parallel=True)}))
+    else:
+        print(
+            json.dumps({"run": run(model, tp), "features": engine_features(model, tp, modes=("recompute",))})
+        )

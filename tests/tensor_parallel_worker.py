@@ -10,13 +10,18 @@ XLA's by their own tests; a W8A8 model's activation quantisation turns the last 
 the sizes' runs differ by is the split alone.
   python tests/tensor_parallel_worker.py --engine-features MODEL_PATH TP [TP ...]   # prefix caching,
                                                               # preemption (both modes), n > 1, beam search
+  python tests/tensor_parallel_worker.py --enable-expert-parallel [--all-to-all] [--warm] MODEL_PATH TP [TP ...]
+      # a mixture of experts' experts split whole over the devices; --all-to-all: every step's tokens moved in
+      # the all-to-all form (else the default's); --warm: warm-up first, then sampled routing compiles nothing
+  python tests/tensor_parallel_worker.py --mixture-forms TP        # expert parallelism's mixture in each form
+      # against one device's, on skewed routings (see mixture_forms)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 
 import jax
 import numpy as np
@@ -26,7 +31,7 @@ from jpaged.models import checkpoint
 from jpaged.models.checkpoint import CheckpointedWeight
 from jpaged.models.loader import load_model
 from jpaged.models.products import MatrixProducts, is_whole_leaf
-from jpaged.runner import model_runner
+from jpaged.runner import expert_parallel, model_runner
 from jpaged.runner.weight_layout import tensor_parallel_products
 
 PROMPTS = [list(range(100, 120)), list(range(5, 40)), [7, 7, 7]]
@@ -81,7 +86,30 @@ def xla_products(params: dict, *, activation: str, quantization: str | None) -> 
     return tensor_parallel_products(params, None, 1, quantization)
 
 
-def run(model: str | None, tp: int, quantization: str = "none") -> dict:
+# A collective in optimised HLO text: its result's shape (a tuple of them for some all-to-alls) and its op.
+COLLECTIVE = re.compile(
+    r"= (\(.*?\)|\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)\("
+)
+
+
+def expert_weights_moved(hlo: str, experts: list) -> list[str]:
+    """The collectives of `hlo` with an operand or result shaped as an expert stack (`experts`: the stacks as
+    placed), whole, a layer of it, or a device's part of either: what expert parallelism must never move."""
+    shapes = set()
+    for stack in experts:
+        for shape in (stack.shape, stack.addressable_shards[0].data.shape):
+            shapes |= {shape, shape[1:]}
+    marks = {"[" + ",".join(map(str, shape)) + "]" for shape in shapes}
+    return [line for line in hlo.splitlines() if COLLECTIVE.search(line) and any(m in line for m in marks)]
+
+
+def run(
+    model: str | None,
+    tp: int,
+    quantization: str = "none",
+    expert_parallel: bool = False,
+    warm: bool = False,
+) -> dict:
     ORBAX_READS.update(dict.fromkeys(ORBAX_READS, 0))
     quantization = None if quantization == "kept" else quantization
     if quantization != "none":  # see the module's docstring
@@ -90,22 +118,23 @@ def run(model: str | None, tp: int, quantization: str = "none") -> dict:
         llm = LLM(
             model,
             tensor_parallel_size=tp,
+            enable_expert_parallel=expert_parallel,
             quantization=quantization,
             max_model_len=128,
             max_num_seqs=4,
             max_num_batched_tokens=32,
             num_blocks=40,
-            enforce_eager=True,
+            enforce_eager=not warm,
         )
     except ValueError as err:
         return {"error": str(err)}
+    warmed_up = llm.metrics()["num_compilations"]
     outputs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     runner = llm.engine.runner
     qkv, pool = runner.params["layers"]["attn"]["qkv"], runner.kv_cache.k
-    hlo = runner.programs.step_texts()[0]
-    collectives = r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)\("
-    return {
-        "collectives": [[op, shape] for shape, op in re.findall(collectives, hlo)],
+    hlo = "\n".join(runner.programs.step_texts())
+    result = {
+        "collectives": [[op, shape] for shape, op in COLLECTIVE.findall(hlo)],
         "tokens": [o.token_ids for o in outputs],
         "logprobs": [[{str(k): v.logprob for k, v in step.items()} for step in o.logprobs] for o in outputs],
         "qkv_bytes": held_bytes(qkv),
@@ -116,6 +145,70 @@ def run(model: str | None, tp: int, quantization: str = "none") -> dict:
             {type(leaf).__name__ for leaf in jax.tree_util.tree_leaves(runner.params, is_leaf=is_whole_leaf)}
         ),
     }
+    mlp = runner.params["layers"]["mlp"]
+    experts = [mlp[name] for name in ("experts_gate_up", "experts_down") if name in mlp]
+    if experts:
+        result["experts_bytes"] = [held_bytes(stack) for stack in experts]
+        result["expert weights moved"] = expert_weights_moved(hlo, experts)
+        sampled = SamplingParams(max_tokens=6, temperature=1.5, seed=1, ignore_eos=True)
+        llm.generate(PROMPTS, sampled, use_tqdm=False)  # experts greedy decoding never takes
+        result["compiled after warm-up"] = llm.metrics()["num_compilations"] - warmed_up
+    return result
+
+
+def mixture_forms(tp: int) -> dict[str, dict[str, float]]:
+    """The largest difference between one device's mixture (StackedProducts) and expert parallelism's over `tp`
+    devices in each form, by routing: every pair to the first device's experts (the most any device can take),
+    every token to the last two experts, random, and random with each expert's biases (gpt-oss's); each with
+    padding rows past the live ones."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jpaged.models.products import StackedProducts
+    from jpaged.runner.expert_parallel import ExpertParallelProducts
+
+    rng = np.random.default_rng(0)
+    tokens, width, num_experts, size, k = 32, 16, 8, 12, 2
+    x = rng.standard_normal((tokens, width)).astype(np.float32)
+    gate_up = (rng.standard_normal((num_experts, width, 2 * size)) * 0.3).astype(np.float32)
+    down = (rng.standard_normal((num_experts, size, width)) * 0.3).astype(np.float32)
+    biases = tuple(rng.standard_normal((num_experts, n)).astype(np.float32) for n in (2 * size, width))
+    weights = jax.nn.softmax(rng.standard_normal((tokens, k)).astype(np.float32))
+    live = np.arange(tokens) < 27
+    first_device = num_experts // tp
+    random = np.stack([rng.choice(num_experts, k, replace=False) for _ in range(tokens)])
+    routings = {
+        "all on the first device": np.stack(
+            [rng.choice(first_device, k, replace=False) for _ in range(tokens)]
+        ),
+        "all on the last two experts": np.tile([num_experts - 1, num_experts - 2], (tokens, 1)),
+        "random": random,
+        "random, biased experts": random,
+    }
+    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+
+    def by_experts(a):
+        return jax.device_put(a, NamedSharding(mesh, P("tp")))
+
+    forms = {"replicated": None, "all_to_all": 0}
+    differences: dict[str, dict[str, float]] = {}
+    for name, experts in routings.items():
+        experts = experts.astype(np.int32)
+        biased = biases if "biased" in name else None
+        one = StackedProducts().mixture(x, weights, experts, gate_up, down, 0, live, "silu", biased)
+        split = [by_experts(a) for a in (gate_up, down)]
+        split_biases = None if biased is None else tuple(by_experts(b) for b in biased)
+        for form, threshold in forms.items():
+            products = ExpertParallelProducts(StackedProducts(), mesh, threshold)
+            assert products.form(tokens) == form
+            mixture = jax.jit(
+                lambda x, w, e, g, d, live, b, p=products: p.mixture(
+                    x, w, e, g, d, np.int32(0), live, "silu", b
+                )
+            )
+            got = mixture(x, weights, experts, *split, live, split_biases)
+            differences.setdefault(name, {})[form] = float(np.abs(np.asarray(got) - np.asarray(one)).max())
+    return differences
 
 
 def engine_features(model: str, tp: int, modes: tuple[str, ...] = ("recompute", "swap")) -> dict:
@@ -148,11 +241,23 @@ def engine_features(model: str, tp: int, modes: tuple[str, ...] = ("recompute", 
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--engine-features":
-        print(json.dumps({tp: engine_features(sys.argv[2], int(tp)) for tp in sys.argv[3:]}))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine-features", action="store_true")
+    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--enable-expert-parallel", action="store_true")
+    parser.add_argument("--all-to-all", action="store_true")
+    parser.add_argument("--warm", action="store_true")
+    parser.add_argument("--mixture-forms", action="store_true")
+    parser.add_argument("model")
+    parser.add_argument("sizes", nargs="*")
+    args = parser.parse_args()
+    if args.mixture_forms:
+        print(json.dumps({tp: mixture_forms(int(tp)) for tp in [args.model, *args.sizes]}))
+    elif args.engine_features:
+        print(json.dumps({tp: engine_features(args.model, int(tp)) for tp in args.sizes}))
     else:
-        args = sys.argv[1:]
-        quantization = args[1] if args[0] == "--quantization" else "none"
-        model, *sizes = args[2:] if args[0] == "--quantization" else args
-        model = None if model == "default" else model
-        print(json.dumps({tp: run(model, int(tp), quantization) for tp in sizes}))
+        if args.all_to_all:
+            expert_parallel.ALL_TO_ALL_FROM_TOKENS = 0
+        model = None if args.model == "default" else args.model
+        options = dict(expert_parallel=args.enable_expert_parallel, warm=args.warm)
+        print(json.dumps({tp: run(model, int(tp), args.quantization, **options) for tp in args.sizes}))

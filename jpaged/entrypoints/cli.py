@@ -27,6 +27,8 @@ _HELP = {
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (= fp8_e4m3): the KV pool as float8 e4m3, twice the tokens",
     "convert": "embed: run a decoder as an embedding model, pooled as its sentence-transformers config says "
     "(else last token, normalised)",
+    "enable_expert_parallel": "split a mixture of experts' experts whole over the --tensor-parallel-size devices "
+    "(E / tp each; tokens move to them) instead of each expert's MLP",
 }
 
 
@@ -41,7 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(kind, types.UnionType):
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=field.default, help=_HELP.get(field.name)
+            )
         else:
             parser.add_argument(flag, type=kind, default=field.default, help=_HELP.get(field.name))
 

@@ -32,6 +32,7 @@ from jpaged.runner.device_step import (
     copy_blocks,
     scatter_blocks,
 )
+from jpaged.runner.expert_parallel import expert_parallel_products
 from jpaged.runner.kv_transfer import HostSwapSpace
 from jpaged.runner.packed_inputs import pack
 from jpaged.runner.sampling_inputs import (
@@ -95,9 +96,13 @@ class ModelRunner:
                 params, activation=model_config.hidden_activation, quantization=config.quantization
             )
         )
+        if self.mesh and config.enable_expert_parallel:
+            self.products = products = expert_parallel_products(products, self.mesh, model_config)
         kv_copies = kv_head_copies(tp, loaded_config)
         self.weights = (
-            WeightPlacement.over(self.mesh, products, loaded_config, kv_copies, params)
+            WeightPlacement.over(
+                self.mesh, products, loaded_config, kv_copies, params, config.enable_expert_parallel
+            )
             if self.mesh
             else WeightPlacement(products, loaded_config, kv_copies)
         )
@@ -161,7 +166,8 @@ class ModelRunner:
             jax.jit(bind_prompt_logprobs(self.graphdef, products)),
             inputs,
             config.compilation_cache_dir,
-            (repr(model_config), self.attention_impl, self.branch_free, *self.program_kind),
+            # The products decide the program too (expert parallelism's form, for one), not only its inputs.
+            (repr(model_config), repr(products), self.attention_impl, self.branch_free, *self.program_kind),
         )
         self._not_run: dict = {}  # warm-up shapes never run yet -> their dummy (batch, sampling); see warmup
         # The dispatched forward's (logits, prompt logprobs), until `sample` takes them.

@@ -36,9 +36,16 @@ class WeightPlacement:
 
     @classmethod
     def over(
-        cls, mesh: Mesh, products: MatrixProducts, loaded_config: ModelConfig, kv_copies: int, params: dict
+        cls,
+        mesh: Mesh,
+        products: MatrixProducts,
+        loaded_config: ModelConfig,
+        kv_copies: int,
+        params: dict,
+        expert_parallel: bool = False,
     ) -> WeightPlacement:
-        """The placement of `params` (the loaders') over `mesh`, split as the model run there splits them."""
+        """The placement of `params` (the loaders') over `mesh`, split as the model run there splits them (the
+        experts whole on their devices with `expert_parallel`)."""
         unsharded = cls(products, loaded_config, kv_copies)
         config = tensor_parallel_config(mesh.shape[AXIS], loaded_config)
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
@@ -48,8 +55,8 @@ class WeightPlacement:
             products,
             loaded_config,
             kv_copies,
-            param_shardings(mesh, config, held),
-            param_shardings(mesh, config, arranged),
+            param_shardings(mesh, config, held, expert_parallel),
+            param_shardings(mesh, config, arranged, expert_parallel),
         )
 
     def arrange(self, params: dict) -> dict:
