@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 from conftest import hf_model
 
-from jpaged.outputs import CompletionOutput
+from jpaged import LLM, SamplingParams
+from jpaged.outputs import CompletionOutput, RequestOutput
 
 NEAR_TIE = 1e-3  # top-2 logprob gap under which float rounding may legitimately flip the argmax
 # bfloat16 against float32: one bfloat16 spacing of a logit in [32, 64) (the embedded model's top logits measured
@@ -47,3 +49,26 @@ def hf_greedy(model_path, prompt_ids: list[int], num_tokens: int) -> tuple[list[
             logprobs.append(float(torch.log_softmax(out.logits[0, -1].double(), -1)[token]))
             step_input = torch.tensor([[token]])
     return tokens, logprobs
+
+
+def generate_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
+    """Greedy completions of token prompts, EOS ignored, with the top-2 logprobs `assert_same_greedy` judges by."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def tokens_of(outputs: list[RequestOutput]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def assert_follows_transformers(
+    model_dir, outputs: list[RequestOutput], label: str, tolerance: float
+) -> None:
+    """Each greedy completion is transformers' argmax path (`assert_same_greedy`), its tokens' logprobs within
+    `tolerance` of transformers'."""
+    for output in outputs:
+        completion = output.outputs[0]
+        tokens, logprobs = hf_greedy(model_dir, output.prompt_token_ids, len(completion.token_ids))
+        assert_same_greedy(completion, tokens, label)
+        ours = [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
+        assert ours == pytest.approx(logprobs, abs=tolerance), label

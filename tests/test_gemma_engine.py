@@ -8,7 +8,7 @@ import json
 
 import jax
 import pytest
-from greedy import assert_same_greedy, hf_greedy
+from greedy import assert_follows_transformers, generate_greedy, tokens_of
 
 from jpaged import LLM, SamplingParams
 from jpaged.models.loader import load_model
@@ -19,37 +19,23 @@ ARGS = dict(max_model_len=96, max_num_batched_tokens=16, max_num_seqs=4)
 PROMPTS = [[(7 * i + 3) % 4000 + 100 for i in range(n)] for n in (10, 45, 30, 38)]
 
 
-def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 20) -> list:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def tokens_of(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
 def gemma(request, tiny_model_dir):
     model_dir = tiny_model_dir(request.param)
     return model_dir, LLM(str(model_dir), **ARGS)
 
 
-def assert_follows_transformers(model_dir, outputs, label: str) -> None:
-    for output in outputs:
-        completion = output.outputs[0]
-        tokens, logprobs = hf_greedy(model_dir, output.prompt_token_ids, len(completion.token_ids))
-        assert_same_greedy(completion, tokens, label)
-        ours = [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
-        assert ours == pytest.approx(logprobs, abs=2e-5), label
-
-
 def test_greedy_follows_transformers_past_the_window_in_chunks_and_from_a_cached_prefix(gemma):
     model_dir, llm = gemma
-    assert_follows_transformers(model_dir, greedy(llm, PROMPTS[:2]), f"{model_dir.name}, fresh")
+    assert_follows_transformers(
+        model_dir, generate_greedy(llm, PROMPTS[:2], 20), f"{model_dir.name}, fresh", 2e-5
+    )
     hits = llm.metrics()["prefix_cache_hits"]
-    (extended,) = greedy(llm, [PROMPTS[1] + [500, 501, 502, 503, 504]])  # its first 32 tokens are cached
+    (extended,) = generate_greedy(
+        llm, [PROMPTS[1] + [500, 501, 502, 503, 504]], 20
+    )  # its first 32 tokens are cached
     assert llm.metrics()["prefix_cache_hits"] > hits
-    assert_follows_transformers(model_dir, [extended], f"{model_dir.name}, cached prefix")
+    assert_follows_transformers(model_dir, [extended], f"{model_dir.name}, cached prefix", 2e-5)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -59,22 +45,22 @@ def test_preemption_keeps_every_greedy_output(gemma, mode):
     tight = LLM(
         str(model_dir), **ARGS, num_blocks=8, preemption_mode=mode, swap_space=0.01, enforce_eager=True
     )
-    outputs = tokens_of(greedy(tight, PROMPTS))
+    outputs = tokens_of(generate_greedy(tight, PROMPTS, 20))
     assert tight.metrics()["num_preemptions"] > 0
-    assert outputs == tokens_of(greedy(llm, PROMPTS))
+    assert outputs == tokens_of(generate_greedy(llm, PROMPTS, 20))
 
 
 def test_new_weights_generate_as_a_fresh_engine_on_them_and_compile_nothing(gemma):
     model_dir, llm = gemma
     loaded = load_model(str(model_dir), progress=False)
     compiled = llm.metrics()["num_compilations"]
-    before = tokens_of(greedy(llm, PROMPTS[:2]))
+    before = tokens_of(generate_greedy(llm, PROMPTS[:2], 20))
     new = jax.tree_util.tree_map(lambda leaf: -leaf, loaded.params)  # every weight, the norms' w too
     llm.update_weights(new)
-    after = tokens_of(greedy(llm, PROMPTS[:2]))
+    after = tokens_of(generate_greedy(llm, PROMPTS[:2], 20))
     assert after != before
     fresh = LLM.from_params(new, loaded.config, loaded.tokenizer, **ARGS)
-    assert after == tokens_of(greedy(fresh, PROMPTS[:2]))
+    assert after == tokens_of(generate_greedy(fresh, PROMPTS[:2], 20))
     assert llm.metrics()["num_compilations"] == compiled
 
 
