@@ -10,6 +10,7 @@ field the server does not know, as before these rules.
 from __future__ import annotations
 
 import logging
+import re
 
 from jpaged_server.errors import APIError
 from pydantic import BaseModel
@@ -96,5 +97,8 @@ def _header_value(names: list[str]) -> str:
 
 
 def _printable(name: str) -> str:
-    """A field name as printable ASCII with no comma (the header's separator); the empty name as `""`."""
-    return name.encode("unicode_escape").decode("ascii").replace(",", "\\x2c") or '""'
+    """A field name as printable ASCII with no comma (the header's separator) and no space at either end (a header
+    value may not begin or end with one: the name " " would make the response unsendable); the empty name as
+    `""`."""
+    escaped = name.encode("unicode_escape").decode("ascii").replace(",", "\\x2c")
+    return re.sub(r"^ +| +$", lambda spaces: "\\x20" * len(spaces.group()), escaped) or '""'

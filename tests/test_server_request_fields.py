@@ -97,11 +97,11 @@ def test_nested_unknown_fields_are_named_by_their_path(http):
 
 
 def test_any_field_name_is_named_in_printable_ascii_and_the_list_is_bounded(http):
-    body = {"prompt": "x", "max_tokens": 1, "Ā\r\n": 1, "": 1, **{f"f{i}": i for i in range(40)}}
+    body = {"prompt": "x", "max_tokens": 1, "Ā\r\n": 1, "": 1, " ": 1, **{f"f{i}": i for i in range(40)}}
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     names = response.headers[IGNORED_FIELDS_HEADER].split(", ")
-    assert names[:2] == ["\\u0100\\r\\n", '""'] and names[-1] == "... (10 more)" and len(names) == 33
+    assert names[:3] == ["\\u0100\\r\\n", '""', "\\x20"] and names[-1] == "... (11 more)" and len(names) == 33
 
 
 @pytest.mark.parametrize("field", ["suffix", "audio", "chat_template"])
