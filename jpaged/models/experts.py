@@ -47,10 +47,10 @@ def routed_experts(
     each run by its expert's matrices; `biases` are the experts' gate_up [E, 2F] and down [E, D] biases (gpt-oss).
     Pairs of padding tokens sort past every group and are computed by none."""
     num_tokens, k = experts.shape
-    expert_of = jnp.where(live[:, None], experts, num_experts).reshape(-1)  # padding: past the last group
+    expert_of = _pair_experts(experts, live, num_experts)
     order = jnp.argsort(expert_of, stable=True)
     token_of = order // k
-    group_sizes = jnp.bincount(expert_of, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    group_sizes = _group_sizes(expert_of, num_experts)
     row_expert = jnp.minimum(expert_of[order], num_experts - 1)  # each sorted row's expert (padding: any)
     gate_up_bias = None if biases is None else biases[0][row_expert]
     y = down(gated(x[token_of], group_sizes, gate_up_bias), group_sizes)
@@ -63,7 +63,16 @@ def routed_experts(
 
 def expert_counts(experts: jax.Array, live: jax.Array, num_experts: int) -> jax.Array:
     """How many of the step's live tokens each expert took [E] (what the load-imbalance histogram counts)."""
-    expert_of = jnp.where(live[:, None], experts, num_experts).reshape(-1)
+    return _group_sizes(_pair_experts(experts, live, num_experts), num_experts)
+
+
+def _pair_experts(experts: jax.Array, live: jax.Array, num_experts: int) -> jax.Array:
+    """Each (token, expert) pair's expert [T * k], a padding token's pairs past the last one (`num_experts`)."""
+    return jnp.where(live[:, None], experts, num_experts).reshape(-1)
+
+
+def _group_sizes(expert_of: jax.Array, num_experts: int) -> jax.Array:
+    """How many pairs each expert takes [E] (int32; the pairs past the last counted by none)."""
     return jnp.bincount(expert_of, length=num_experts + 1)[:num_experts].astype(jnp.int32)
 
 

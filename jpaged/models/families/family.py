@@ -116,3 +116,19 @@ def moe_features(hf: Mapping[str, Any], expert_size_key: str = "moe_intermediate
         expert_intermediate_size=hf[expert_size_key],
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
     )
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def sliding_layers(hf: Mapping[str, Any], global_every: int) -> tuple[bool, ...] | None:
+    """Which layers take the sliding window (Gemma, gpt-oss): the config's `layer_types`, or without them every
+    `global_every`-th layer global (as transformers fills them in); None where the config has no window."""
+    count = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % global_every else "full_attention" for i in range(count)
+    ]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; supported: {', '.join(LAYER_TYPES)}")
+    return tuple(t == "sliding_attention" for t in types) if hf.get("sliding_window") else None

@@ -8,14 +8,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from jpaged.models.families.family import LAYER, Family, llama_checkpoint
+from jpaged.models.families.family import LAYER, Family, llama_checkpoint, sliding_layers
 
 if TYPE_CHECKING:
     from jpaged.models.config import ModelConfig
     from jpaged.models.params import LeafRecipe
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}  # transformers' names -> ModelConfig.hidden_activation
-_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def gemma_features(hf: Mapping[str, Any], sliding_pattern: int, soft_caps: tuple) -> dict[str, Any]:
@@ -30,18 +29,9 @@ def gemma_features(hf: Mapping[str, Any], sliding_pattern: int, soft_caps: tuple
         raise ValueError(
             "use_bidirectional_attention (an embedding Gemma) is not a causal LM jpaged generates with"
         )
-    pattern = hf.get("sliding_window_pattern", sliding_pattern)
-    count = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(count)
-    ]
-    unknown = sorted(set(types) - set(_LAYER_TYPES))
-    if unknown:
-        raise ValueError(f"unsupported layer_types {unknown}; supported: {', '.join(_LAYER_TYPES)}")
-    window = hf.get("sliding_window")
     return dict(
-        sliding_window=window,
-        sliding_layers=tuple(t == "sliding_attention" for t in types) if window else None,
+        sliding_window=hf.get("sliding_window"),
+        sliding_layers=sliding_layers(hf, hf.get("sliding_window_pattern", sliding_pattern)),
         norm_offset=1.0,
         hidden_activation=_ACTIVATIONS[activation],
         embed_scale=True,

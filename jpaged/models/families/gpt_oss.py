@@ -9,31 +9,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from jpaged.models.families.family import ATTN, MLP, Family, llama_checkpoint
+from jpaged.models.families.family import ATTN, MLP, Family, llama_checkpoint, sliding_layers
 
 if TYPE_CHECKING:
     from jpaged.models.config import ModelConfig
     from jpaged.models.params import LeafRecipe
 
-_LAYER_TYPES = ("sliding_attention", "full_attention")
-
 
 def _features(hf: Mapping[str, Any]) -> dict[str, Any]:
-    count = hf["num_hidden_layers"]
-    # transformers' default: the even layers sliding, the odd ones global.
-    types = hf.get("layer_types") or [_LAYER_TYPES[i % 2] for i in range(count)]
-    unknown = sorted(set(types) - set(_LAYER_TYPES))
-    if unknown:
-        raise ValueError(f"unsupported layer_types {unknown}; supported: {', '.join(_LAYER_TYPES)}")
-    window = hf.get("sliding_window")
     bias = bool(hf.get("attention_bias", True))
     return dict(
         attention_bias=bias,
         attention_output_bias=bias,
         attention_sinks=True,
         norm_scale_in_float32=True,
-        sliding_window=window,
-        sliding_layers=tuple(t == "sliding_attention" for t in types) if window else None,
+        sliding_window=hf.get("sliding_window"),
+        sliding_layers=sliding_layers(hf, global_every=2),  # transformers' default: even layers slide
         num_experts=hf["num_local_experts"],
         num_experts_per_tok=hf["num_experts_per_tok"],
         expert_intermediate_size=hf["intermediate_size"],
