@@ -19,6 +19,7 @@ _EXPORTS = {
     "RequestOutput": "jpaged.outputs",
     "CompletionOutput": "jpaged.outputs",
     "Logprob": "jpaged.outputs",
+    "LoRARequest": "jpaged.lora_request",
     "initialize_distributed": "jpaged.runner.multihost",
     "follow": "jpaged.engine.follower",
 }

@@ -59,9 +59,17 @@ class EngineConfig:
     convert: str = "auto"  # "embed": the decoder's hidden states pooled as embeddings (see CONVERTS)
     quantization: str | None = None  # "int8"/"fp8": layer matrices quantized at load; "none": dequantised
     kv_cache_dtype: str = "auto"  # "fp8": the KV pool in float8 e4m3 (see KV_CACHE_DTYPES)
+    # LoRA adapters (vLLM's --enable-lora ...): max_loras device slots, each up to max_lora_rank, filled LRU from a
+    # host cache of max_cpu_loras adapters (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        _positive(self, "block_size", "tensor_parallel_size")
+        _positive(self, "block_size", "tensor_parallel_size", "max_loras", "max_lora_rank")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _positive(self, name)
@@ -106,6 +114,11 @@ class EngineConfig:
     def keeps_checkpoint_quantization(self) -> bool:
         """Whether a quantized checkpoint's matrices are held as stored: unless --quantization asks otherwise."""
         return self.quantization is None
+
+    @property
+    def lora_cache_size(self) -> int:
+        """How many adapters the host keeps read (max_cpu_loras, at least the device slots)."""
+        return self.max_cpu_loras or self.max_loras
 
     @property
     def is_pooling(self) -> bool:
