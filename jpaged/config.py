@@ -99,6 +99,8 @@ class EngineConfig:
         _one_of(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         if self.quantization is not None:
             _one_of(self, "quantization", (*QUANTIZATIONS, NO_QUANTIZATION))
+        if self.enable_lora and self.is_pooling:
+            raise ValueError("enable_lora serves adapters for generation: a pooling model takes none")
         if self.runner == "generate" and self.convert == "embed":
             raise ValueError("convert 'embed' makes a pooling model: it needs runner 'pooling' (or 'auto')")
         if self.runner == "pooling" and self.convert == "none":

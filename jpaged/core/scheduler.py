@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
+from jpaged.core.lora_slots import LoRASlots
 from jpaged.core.sequence import SequenceState, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.blocks = block_manager
+        # The LoRA adapters' device slots: a waiting request's adapter must find one before it runs.
+        self.loras = LoRASlots(config.max_loras) if config.enable_lora else None
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []  # kept sorted by priority_key
         self.swapped: deque[SequenceState] = deque()
@@ -62,12 +65,14 @@ class Scheduler:
         """A fork that already holds blocks (parallel sampling, beams) joins the running set directly."""
         self._arrivals += 1
         seq.arrival_order = self._arrivals
+        self._hold_adapter(seq)  # its parent holds the adapter's slot: always there
         self._start_running(seq)
 
     def finish(self, seq: SequenceState) -> None:
         """Remove a sequence wherever it is and free its blocks (finished or aborted)."""
         self._remove(seq)
         self._free_blocks(seq)
+        self._drop_adapter(seq)
         seq.status = SequenceStatus.FINISHED
 
     def requeue(self, seq: SequenceState) -> None:
@@ -127,9 +132,14 @@ class Scheduler:
         return budget, slots
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, slots: int) -> None:
-        """Admit waiting prompts (chunked if need be) while the budget and the free sequence slots allow."""
+        """Admit waiting prompts (chunked if need be) while the budget and the free sequence slots allow; a prompt
+        whose LoRA adapter finds no device slot free waits, and those behind it go on."""
+        no_slot: list[SequenceState] = []
         while self.waiting and budget > 0 and self.waiting[0].fan_out <= slots:
             seq = self.waiting[0]
+            if not self._hold_adapter(seq):
+                no_slot.append(self.waiting.popleft())
+                continue
             if not seq.prefix_matched:
                 seq.num_computed_tokens = self.blocks.match_prefix(
                     seq.seq_id, seq.token_ids, seq.request.cache_salt
@@ -149,6 +159,7 @@ class Scheduler:
             slots -= seq.fan_out
             out.add(seq, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(no_slot))
 
     def _preempt(self, seq: SequenceState, out: SchedulerOutput) -> None:
         swap = self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq.seq_id)
@@ -184,8 +195,22 @@ class Scheduler:
         if self.blocks.has_seq(seq.seq_id):
             self.blocks.free(seq.seq_id)
 
+    def _hold_adapter(self, seq: SequenceState) -> bool:
+        """Whether `seq` may run as far as its adapter goes: none, held already, or a device slot found now."""
+        lora_id = seq.request.lora_int_id
+        if self.loras is None or not lora_id or seq.holds_lora:
+            return True
+        seq.holds_lora = self.loras.acquire(lora_id)
+        return seq.holds_lora
+
+    def _drop_adapter(self, seq: SequenceState) -> None:
+        if seq.holds_lora:
+            self.loras.release(seq.request.lora_int_id)
+            seq.holds_lora = False
+
     def _release(self, seq: SequenceState) -> None:
         """Free its blocks and forget its progress: it starts again from its first token (prefix hits aside)."""
+        self._drop_adapter(seq)
         self._free_blocks(seq)
         seq.num_computed_tokens = 0
         seq.prefix_matched = False

@@ -46,6 +46,7 @@ class Request:
     # it, no logprobs), so its rows need no sampling inputs of their own.
     static_sampling: bool = False
     plain_greedy: bool = False
+    lora_int_id: int = 0  # its LoRA adapter's id (0: the base model)
 
     @property
     def finished(self) -> bool:
@@ -79,6 +80,7 @@ class SequenceState:
     # are any, the row of the latest such step that samples its newest one (-1 otherwise).
     num_pending: int = 0
     pending_row: int = -1
+    holds_lora: bool = False  # whether it holds its adapter's device slot (core/lora_slots.py)
     max_num_tokens: int = 2**62  # where it ends for length (max_tokens, max_model_len), set by the engine
     grammar: Any = None  # structured outputs: its jpaged.structured.GrammarMatcher, set once it compiled
 

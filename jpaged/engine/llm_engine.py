@@ -25,11 +25,13 @@ from jpaged.core.sequence import Request, SequenceState, SequenceStatus
 from jpaged.engine.beam_driver import BeamDriver
 from jpaged.engine.constrained_decoding import ConstrainedDecoding
 from jpaged.engine.engine_metrics import ExpertLoad, TokenCounts, engine_metrics
+from jpaged.engine.lora_adapters import LoRAAdapters, LoRAStats
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.request_checks import RequestChecks
 from jpaged.engine.scheduled_step import InFlightStep, ScheduledStep, scheduled_step
 from jpaged.engine.startup import for_this_platform, size_kv_cache
 from jpaged.engine.step_sampling import StepSampling, describe_sampling, sample_seed_for
+from jpaged.lora_request import LoRARequest
 from jpaged.models.llama import abstract_params, as_params, params_dtype
 from jpaged.models.loader import LoadedModel
 from jpaged.models.params import check_same_leaves, weights_spec
@@ -80,6 +82,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.blocks)
         self.checks = RequestChecks(config, self.max_model_len, mc.vocab_size)
+        self.loras = LoRAAdapters(config, mc, self.scheduler.loras)
         self.runner = self._start_runner(size, from_memory=source.kind == "params")
         # The runner holds the weights from here on; the engine keeps their shapes (what update_weights checks).
         self.model = dataclasses.replace(self.model, params=weights_spec(self.model.params))
@@ -147,11 +150,17 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
-        """Queue a request. BeamSearchParams make it a beam search: its output comes once, when it is done."""
+        """Queue a request (through a LoRA adapter, registered on first use). BeamSearchParams make it a beam
+        search: its output comes once, when it is done."""
         params = params or SamplingParams()
         text, token_ids = self._new_prompt(request_id, prompt, add_special_tokens=False)
         self.checks.check_prompt(token_ids)
+        lora_id = 0
+        if lora_request is not None:
+            lora_id, adapter_key = self.loras.for_request(lora_request)
+            cache_salt = f"{cache_salt or ''}{adapter_key}"
         beam = None
         if isinstance(params, BeamSearchParams):
             beam = self.new_beam_search(len(token_ids), params)
@@ -167,6 +176,7 @@ class LLMEngine:
         request = Request(
             request_id, text, token_ids, params, seed, time.time(), priority, cache_salt, beam=beam
         )
+        request.lora_int_id = lora_id
         describe_sampling(request, self.tokenizer)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(token_ids)
@@ -217,6 +227,26 @@ class LLMEngine:
         ModelRunner.warmup), so no later request pays its first run; False once every shape has run (or while
         asleep)."""
         return not self.runner.asleep and self.runner.run_unrun_shape()
+
+    # ---- LoRA adapters (vLLM's names) ----
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.loras.list()
+
+    def lora_stats(self) -> LoRAStats:
+        return self.loras.stats()
+
+    def update_lora(self, name: str, weights) -> None:
+        """Swap adapter `name`'s matrices in place (PEFT-named arrays of its shapes, e.g. a trainer's): nothing
+        recompiles; its prefix-cache blocks stop matching."""
+        self._check_idle("update_lora")
+        self.loras.update(name, weights)
 
     # ---- weights and device memory, between generate calls ----
 
@@ -299,7 +329,11 @@ class LLMEngine:
         if not seqs:
             return None
         tables = self.blocks.block_tables([seq.seq_id for seq in seqs])
-        scheduled = scheduled_step(seqs, num_new_tokens, tables)
+        lora_slot_of = None
+        if self.runner.lora is not None:
+            self.loras.load_pending(self.runner.lora)  # before the step that reads them
+            lora_slot_of = self.loras.slot_of
+        scheduled = scheduled_step(seqs, num_new_tokens, tables, lora_slot_of)
         self.counters.prompt_tokens += scheduled.num_first_prompt_tokens
         return scheduled
 

@@ -4,6 +4,7 @@ step in flight until its tokens are processed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,8 +41,10 @@ def scheduled_step(
     seqs: list[SequenceState],
     num_new_tokens: list[int],
     block_tables: np.ndarray,
+    lora_slot_of: Callable[[int], int] | None = None,
 ) -> ScheduledStep:
-    """The step of these scheduled sequences (block table of seqs[i] in row i of `block_tables`)."""
+    """The step of these scheduled sequences (block table of seqs[i] in row i of `block_tables`); with
+    `lora_slot_of` (an adapter id's device slot), each one's LoRA slot."""
     row_seqs: list[SequenceState] = []
     sample_rows: list[int] = []
     prompt_logprob_seqs: list[int] = []
@@ -74,6 +77,7 @@ def scheduled_step(
         [seq.pending_row for seq in seqs],
         [(i, seqs[i].request.prompt_token_ids) for i in prompt_logprob_seqs],
         [seq.num_prompt_tokens for seq in seqs],
+        None if lora_slot_of is None else [lora_slot_of(seq.request.lora_int_id) for seq in seqs],
     )
     return ScheduledStep(seqs, num_new_tokens, rows, prompt_logprob_seqs, schedule, num_first_prompt_tokens)
 

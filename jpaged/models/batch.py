@@ -24,6 +24,8 @@ class StepBatch(NamedTuple):
     # [T] each token's max(its sequence's prompt length, position + 1): what LongRoPE and dynamic NTK scale by
     # (rope.py); None reads as position + 1.
     rope_lengths: jax.Array | None = None
+    # [T] each token's LoRA slot (0: the base model; models/lora.py); None where the engine serves no adapters.
+    lora_slots: jax.Array | None = None
 
 
 class KVCache(NamedTuple):

@@ -39,9 +39,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jpaged.models.activations import act_and_mul
 from jpaged.models.batch import KVCache, StepBatch
 from jpaged.models.config import ModelConfig
 from jpaged.models.fused_columns import fused_sizes, split_fused
+from jpaged.models.lora import lora_delta
 from jpaged.models.moe import SparseMoE
 from jpaged.models.products import EXPERT_MATRICES, LAYER_MATRICES, STACKED, MatrixProducts
 from jpaged.models.rope import cos_sin, rotate
@@ -78,14 +80,24 @@ class StepContext:
     live_tokens: jax.Array  # the step's real tokens (the rest of T is padding)
     attention: Callable
     products: MatrixProducts
+    # The layer's LoRA stacks (name -> {"a": [S, in, W], "b": [S, W, out]}: models/lora.py), each token's slot
+    # (batch.lora_slots) and how the deltas are computed; None without adapters.
+    lora: dict | None = None
+    lora_method: str = "dense"
 
     def matmul(self, name: str, weight: nnx.Param, x: jax.Array, layer: jax.Array) -> jax.Array:
-        return self.products.layer(name, weight[...], x, layer, self.live_tokens)
+        out = self.products.layer(name, weight[...], x, layer, self.live_tokens)
+        if self.lora is None or name not in self.lora:
+            return out
+        stacks = self.lora[name]
+        return out + lora_delta(x, stacks["a"], stacks["b"], self.batch.lora_slots, self.lora_method)
 
     def gated(self, weight: nnx.Param, x: jax.Array, layer: jax.Array, sizes: tuple[int, int]) -> jax.Array:
-        return self.products.gated(
-            weight[...], x, layer, self.live_tokens, sizes, self.config.hidden_activation
-        )
+        activation = self.config.hidden_activation
+        if self.lora is not None and "gate_up" in self.lora:  # the delta joins gate|up before the activation
+            gate_up = self.matmul("gate_up", weight, x, layer)
+            return act_and_mul(gate_up, sizes, self.products.fused_groups, activation)
+        return self.products.gated(weight[...], x, layer, self.live_tokens, sizes, activation)
 
     def rotation(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos and sin for layer `layer`: the sliding layers' own where they have a RoPE base of their own."""
@@ -279,9 +291,12 @@ class CausalLM(nnx.Module):
         *,
         attention: Callable,
         products: MatrixProducts = STACKED,
+        lora: dict | None = None,
+        lora_method: str = "dense",
     ) -> tuple[jax.Array, KVCache]:
         """The last layer's output for every token [T, D] (before the final norm), the updated cache, and how many
-        of the step's tokens each layer's experts took [L, E] (a mixture of experts'; [L, 0] for a dense model)."""
+        of the step's tokens each layer's experts took [L, E] (a mixture of experts'; [L, 0] for a dense model). `lora`: the adapter stacks
+        (name -> {"a": [L, S, in, W], "b": [L, S, W, out]}, models/lora.py), each token's slot in batch.lora_slots."""
         c = self.config
         dtype = self.final_norm.weight[...].dtype
         block_size = kv_cache.k.shape[2]
@@ -299,17 +314,21 @@ class CausalLM(nnx.Module):
             batch.query_start[batch.num_seqs[0]],
             attention,
             products,
+            lora_method=lora_method,
         )
         whole_paths = {{**LAYER_MATRICES, **EXPERT_MATRICES}[name] for name in products.whole_matrices}
         graphdef, whole, sliced = nnx.split(self.layers, lambda path, _: tuple(path) in whole_paths, ...)
 
         def layer(carry, xs):
-            state, index = xs
-            return nnx.merge(graphdef, whole, state)(*carry, index, step)
+            state, index, layer_lora = xs
+            layer_step = step if layer_lora is None else replace(step, lora=layer_lora)
+            return nnx.merge(graphdef, whole, state)(*carry, index, layer_step)
 
         x = self.embed(batch.token_ids, products)
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (x, k_cache, v_cache), counts = jax.lax.scan(layer, (x, kv_cache.k, kv_cache.v), (sliced, layer_ids))
+        (x, k_cache, v_cache), counts = jax.lax.scan(
+            layer, (x, kv_cache.k, kv_cache.v), (sliced, layer_ids, lora)
+        )
         return x, KVCache(k_cache, v_cache), counts
 
     def logits(self, x: jax.Array, rows: jax.Array, products: MatrixProducts = STACKED) -> jax.Array:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.models.llama import KVCache
+from jpaged.models.lora import split_adapters
 from jpaged.models.products import MatrixProducts
 from jpaged.runner.expert_load import load_histogram
 from jpaged.runner.packed_inputs import unpack
@@ -40,15 +41,19 @@ def forward_step(
     attention,
     products,
     logits_sharding,
+    lora_method="dense",
 ):
-    """`packed` holds the step's batch (packed_inputs.py). Returns the KV cache, the float32 logits [S, V] of the
+    """`packed` holds the step's batch (packed_inputs.py); `params` may carry LoRA stacks (models/lora.py). Returns the KV cache, the float32 logits [S, V] of the
     rows to sample (in `logits_sharding` where a mesh splits them), every token's hidden states [T, D], which
     `prompt_logprobs` reads when a request asks for them (kept on the device otherwise), and the step's
     expert-load histogram (expert_load.py; all zero for a dense model)."""
     batch = unpack(packed, layout)
     batch = batch._replace(token_ids=with_last_tokens(batch.token_ids, last_tokens))
+    params, lora = split_adapters(params)
     model = nnx.merge(graphdef, params)
-    hidden, kv_cache, counts = model.hidden_states(kv_cache, batch, attention=attention, products=products)
+    hidden, kv_cache, counts = model.hidden_states(
+        kv_cache, batch, attention=attention, products=products, lora=lora, lora_method=lora_method
+    )
     logits = model.logits(hidden[batch.logits_indices], batch.num_logits[0], products)
     if logits_sharding is not None:
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
@@ -67,7 +72,7 @@ def sample_step(logits, last_tokens, packed, wide, *, layout, branch_free):
 def prompt_logprobs(params, hidden, targets, num_tokens, *, graphdef, products):
     """The top MAX_LOGPROBS logprobs at every token of a step, and those of each token's target (its next prompt
     token): values and ids [T, 1 + K], ranks [T]; `num_tokens` [1] of the T are real (the rest is padding)."""
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, split_adapters(params)[0])
     return gather_logprobs(model.logits(hidden, num_tokens[0], products), targets, MAX_LOGPROBS)
 
 
@@ -97,9 +102,11 @@ def bind_step(
     *,
     branch_free: bool,
     logits_sharding: jax.sharding.Sharding | None = None,
+    lora_method: str = "dense",
 ) -> StepFunctions:
     """The step's halves for one model (the static half of its `nnx.split`), attention implementation, weight
-    layout, logits sharding and sampler form (all static; branch-free on accelerators, see sampler.py)."""
+    layout, logits sharding, LoRA delta method and sampler form (all static; branch-free on accelerators, see
+    sampler.py)."""
     return StepFunctions(
         functools.partial(
             forward_step,
@@ -107,6 +114,7 @@ def bind_step(
             attention=attention,
             products=products,
             logits_sharding=logits_sharding,
+            lora_method=lora_method,
         ),
         functools.partial(sample_step, branch_free=branch_free),
     )

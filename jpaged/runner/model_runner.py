@@ -8,6 +8,7 @@ silent. The KV cache is donated: XLA updates it in place.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import KVCache, init_kv_cache, model_graphdef, params_dtype
+from jpaged.models.lora import ADAPTERS
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import huge_pages
@@ -34,6 +36,7 @@ from jpaged.runner.device_step import (
 )
 from jpaged.runner.expert_parallel import expert_parallel_products
 from jpaged.runner.kv_transfer import HostSwapSpace
+from jpaged.runner.lora_stacks import lora_method_for, lora_stacks
 from jpaged.runner.packed_inputs import pack
 from jpaged.runner.sampling_inputs import (
     SamplingRow,
@@ -98,6 +101,9 @@ class ModelRunner:
         )
         if self.mesh and config.enable_expert_parallel:
             self.products = products = expert_parallel_products(products, self.mesh, model_config)
+        if config.enable_lora and getattr(products, "gated_form", False):
+            # A LoRA delta joins gate|up before the activation: the kernel's gated form computes it on its sums.
+            self.products = products = dataclasses.replace(products, gated_form=False)
         kv_copies = kv_head_copies(tp, loaded_config)
         self.weights = (
             WeightPlacement.over(
@@ -150,9 +156,12 @@ class ModelRunner:
         if self.mesh:
             attention = shard_attention(attention, self.mesh)
         self._logits_sharding = logits_sharding(self.mesh, model_config.vocab_size) if self.mesh else None
+        self.lora_method = lora_method_for(jax.default_backend())
         step = self.bind_step(attention)
+        # The adapter slots (with enable_lora): the step reads them beside the weights (models/lora.py).
+        self.lora = lora_stacks(config, loaded_config, self.dtype, self.mesh, self.weights)
         inputs = ProgramInputs.of(
-            self.params,
+            self.step_weights,
             self.kv_cache,
             self.last_tokens,
             self._neutral_wide,
@@ -167,8 +176,17 @@ class ModelRunner:
             inputs,
             config.compilation_cache_dir,
             # The products decide the program too (expert parallelism's form, for one), not only its inputs.
-            (repr(model_config), repr(products), self.attention_impl, self.branch_free, *self.program_kind),
+            (
+                repr(model_config),
+                repr(products),
+                self.attention_impl,
+                self.branch_free,
+                self.lora_method,
+                *self.program_kind,
+            ),
         )
+        if self.lora is not None:
+            self.lora.compile_writer(self.programs.compile)
         self._not_run: dict = {}  # warm-up shapes never run yet -> their dummy (batch, sampling); see warmup
         # The dispatched forward's (logits, prompt logprobs), until `sample` takes them.
         self._forwarded = None
@@ -189,6 +207,7 @@ class ModelRunner:
             self.products,
             branch_free=self.branch_free,
             logits_sharding=self._logits_sharding,
+            lora_method=self.lora_method,
         )
 
     # ---- a step ----
@@ -212,13 +231,20 @@ class ModelRunner:
         packed, layout = pack(step.batch)
         self._not_run.pop(layout, None)
         compiled = self.programs.forward(layout)
-        self.kv_cache, logits, hidden, load = compiled(self.params, self.kv_cache, self.last_tokens, packed)
+        self.kv_cache, logits, hidden, load = compiled(
+            self.step_weights, self.kv_cache, self.last_tokens, packed
+        )
         prompt = None
         if step.prompt_targets is not None:
             num_tokens = np.array([step.batch.query_start[step.batch.num_seqs[0]]], np.int32)
             program = self.programs.prompt(len(step.prompt_targets))
-            prompt = program(self.params, hidden, step.prompt_targets, num_tokens)
+            prompt = program(self.step_weights, hidden, step.prompt_targets, num_tokens)
         self._forwarded = (logits, prompt, load if self.model_config.num_experts else None)
+
+    @property
+    def step_weights(self) -> dict:
+        """What the step multiplies by: the weights, and the adapter stacks where there are (models/lora.py)."""
+        return self.params if self.lora is None else {**self.params, ADAPTERS: self.lora.stacks}
 
     @property
     def forward_running(self) -> bool:
@@ -271,7 +297,8 @@ class ModelRunner:
         start = time.perf_counter()
         sampling = {s: self._dummy_sampling(s) for s in sorted({s for _, s in self.shapes.all_shapes()})}
         steps = [
-            PreparedStep(dummy_batch(t, s, self.max_blocks_per_seq)) for t, s in self.shapes.all_shapes()
+            PreparedStep(dummy_batch(t, s, self.max_blocks_per_seq, lora=self.lora is not None))
+            for t, s in self.shapes.all_shapes()
         ]
         layouts = [pack(step.batch)[1] for step in steps]
         self.programs.compile_all(

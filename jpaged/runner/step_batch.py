@@ -37,6 +37,8 @@ class StepSchedule:
     # Each sequence's prompt length, for the RoPE scalings that depend on it (StepBatch.rope_lengths); None: every
     # token is prompt (a pooling step).
     prompt_lens: list[int] | None = None
+    # Each sequence's LoRA slot (0: the base model) where the engine serves adapters; None where it serves none.
+    lora_slots: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -94,6 +96,10 @@ def pad_batch(schedule: StepSchedule, shapes: StepShapes, block_size: int, table
     prompt_lens = schedule.prompt_lens or [len(ids) for ids in schedule.token_ids]
     rope_lengths = np.zeros(t_bucket, np.int32)  # padding: 0, the short/original frequencies
     rope_lengths[:num_tokens] = np.maximum(np.asarray(prompt_lens, np.int32)[seq_of_token], live + 1)
+    lora_slots = None
+    if schedule.lora_slots is not None:
+        lora_slots = np.zeros(t_bucket, np.int32)  # padding: no adapter
+        lora_slots[:num_tokens] = np.asarray(schedule.lora_slots, np.int32)[seq_of_token]
     logits_indices = np.zeros(s_bucket, np.int32)
     logits_indices[: len(sample_rows)] = query_start[np.asarray(sample_rows, np.int32) + 1] - 1
     num_logits = len(sample_rows)
@@ -116,12 +122,14 @@ def pad_batch(schedule: StepSchedule, shapes: StepShapes, block_size: int, table
         logits_indices,
         np.array([num_logits], np.int32),
         rope_lengths,
+        lora_slots,
     )
     return PreparedStep(batch, prompt_targets)
 
 
-def dummy_batch(num_tokens: int, num_seqs: int, table_width: int) -> StepBatch:
-    """A batch of these shapes with no live sequence: every token writes to the null block 0."""
+def dummy_batch(num_tokens: int, num_seqs: int, table_width: int, lora: bool = False) -> StepBatch:
+    """A batch of these shapes with no live sequence: every token writes to the null block 0 (with `lora`, each
+    token's adapter slot 0)."""
     zeros = functools.partial(np.zeros, dtype=np.int32)
     return StepBatch(
         zeros(num_tokens),
@@ -134,4 +142,5 @@ def dummy_batch(num_tokens: int, num_seqs: int, table_width: int) -> StepBatch:
         zeros(num_seqs),
         np.array([0], np.int32),
         zeros(num_tokens),
+        zeros(num_tokens) if lora else None,
     )

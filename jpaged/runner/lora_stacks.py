@@ -1,0 +1,162 @@
+"""The engine's LoRA slots on the device: the fixed-shape stacks the step reads (models/lora.py), and the one
+compiled program that writes an adapter into a slot in place. An adapter's B columns follow its base matrix's
+(KV heads repeated, fused columns grouped per tensor-parallel shard), and under tensor parallelism A and B are split
+as the base matrix is: B by columns where the base matrix is split by columns (qkv, gate_up), A by rows where it is
+split by rows (o, down), so each device computes its part of the delta beside its part of the product."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jpaged.config import EngineConfig
+from jpaged.models.config import ModelConfig
+from jpaged.models.lora_weights import lora_shapes
+from jpaged.runner.tensor_parallel import AXIS
+from jpaged.runner.weight_placement import WeightPlacement
+
+# Which of a LoRA pair splits with its base matrix under tensor parallelism, and along which of its axes (of A
+# [L, S, in, W] or B [L, S, W, out]).
+SPLIT = {"qkv": ("b", 3), "gate_up": ("b", 3), "o": ("a", 2), "down": ("a", 2)}
+# How each backend computes the deltas (models/lora.py's LORA_METHODS), by scripts/bench_lora.py.
+LORA_METHODS_BY_BACKEND = {"cpu": "dense", "gpu": "dense", "tpu": "dense"}
+
+
+def lora_method_for(backend: str) -> str:
+    return LORA_METHODS_BY_BACKEND.get(backend, "dense")
+
+
+def lora_stacks(
+    config: EngineConfig, loaded_config: ModelConfig, dtype, mesh: Mesh | None, weights: WeightPlacement
+) -> LoRAStacks | None:
+    """The engine's adapter slots for this model (None without enable_lora), B's columns where the step's layout
+    puts the base matrix's."""
+    if not config.enable_lora:
+        return None
+    shapes = lora_shapes(loaded_config, config.max_lora_rank)
+    columns = {}
+    if mesh is not None:  # KV heads repeated, fused columns grouped per shard: as the base matrices'
+        fused = {"qkv": ("attn", "qkv"), "gate_up": ("mlp", "gate_up")}
+        indices: dict = {"layers": {}}
+        for name, (parent, leaf) in fused.items():
+            if name in shapes:
+                indices["layers"].setdefault(parent, {})[leaf] = np.arange(shapes[name][2])
+        laid_out = weights.arrange(indices)["layers"]
+        for name, (parent, leaf) in fused.items():
+            if name in shapes:
+                columns[name] = np.asarray(laid_out[parent][leaf])
+    return LoRAStacks(shapes, loaded_config.num_layers, config.max_loras, dtype, columns, mesh)
+
+
+def _write_slot(stacks: dict, row: jax.Array, adapter: dict) -> dict:
+    return jax.tree_util.tree_map(
+        lambda stack, new: stack.at[:, row].set(new.astype(stack.dtype)), stacks, adapter
+    )
+
+
+class LoRAStacks:
+    """`max_loras` slots of every layer matrix's A [L, S, in, W] and B [L, S, W, out]; slot s (1..S) is row s - 1,
+    all zeros until an adapter is written there."""
+
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, int, int]],
+        num_layers: int,
+        max_loras: int,
+        dtype,
+        columns: dict[str, np.ndarray],
+        mesh: Mesh | None,
+    ) -> None:
+        """`shapes`: each matrix's (in, W, out) as the loaders' weights have it (models/lora_weights.lora_shapes);
+        `columns`: for a matrix whose columns the step's layout moves, the loaders' column each of the step's comes
+        from."""
+        self.columns = columns
+        self.dtype = dtype
+        self.max_loras = max_loras
+        self.shapes = {
+            name: (
+                (num_layers, max_loras, d_in, width),
+                (num_layers, max_loras, width, len(columns.get(name, range(out)))),
+            )
+            for name, (d_in, width, out) in shapes.items()
+        }
+        self.shardings = None
+        if mesh is not None:
+            self.shardings = {
+                name: {
+                    part: _sharding(mesh, name, part, shape) for part, shape in zip("ab", pair, strict=True)
+                }
+                for name, pair in self.shapes.items()
+            }
+        self.stacks = self._zeros()
+        self._adapter_shardings = None
+        if mesh is not None:
+            replicated = NamedSharding(mesh, P())
+            self._adapter_shardings = jax.tree_util.tree_map(lambda _: replicated, self._host_zeros())
+        self._write = None
+
+    def compile_writer(self, compile_fn: Callable) -> None:
+        """Compile the slot writer once (`compile_fn(jitted, args, name)`: the runner's executable cache), so that
+        no adapter load compiles."""
+        adapter = jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            self._host_zeros(),
+            self._adapter_shardings or jax.tree_util.tree_map(lambda _: None, self._host_zeros()),
+        )
+        stacks = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.stacks
+        )
+        jitted = jax.jit(_write_slot, donate_argnums=0, out_shardings=self.shardings)
+        self._write = compile_fn(jitted, (stacks, np.int32(0), adapter), "lora_write_slot")
+
+    def _zeros(self) -> dict:
+        def zeros(shape, sharding):
+            return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()
+
+        return {
+            name: {
+                part: zeros(shape, None if self.shardings is None else self.shardings[name][part])
+                for part, shape in zip("ab", pair, strict=True)
+            }
+            for name, pair in self.shapes.items()
+        }
+
+    def _host_zeros(self) -> dict:
+        """One slot's arrays (an adapter as `write` takes it, arranged), zero."""
+        return {
+            name: {
+                part: np.zeros((shape[0], *shape[2:]), np.float32)
+                for part, shape in zip("ab", pair, strict=True)
+            }
+            for name, pair in self.shapes.items()
+        }
+
+    def write(self, slot: int, weights: dict | None) -> None:
+        """Slot `slot` (1..max_loras) set to an adapter's weights (models/lora_weights: name -> {"a": [L, in, W],
+        "b": [L, W, out]} in the loaders' column order), or cleared (None). In place; compiles nothing."""
+        if self._write is None:
+            raise RuntimeError("write() needs compile_writer() first")
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"slot must be in 1..{self.max_loras}, got {slot}")
+        adapter = self._host_zeros()
+        for name, pair in (weights or {}).items():
+            adapter[name]["a"] = np.asarray(pair["a"], np.float32)
+            source = self.columns.get(name)
+            b = np.asarray(pair["b"], np.float32)
+            adapter[name]["b"] = b if source is None else b[..., source]
+        if self._adapter_shardings is not None:
+            adapter = jax.device_put(adapter, self._adapter_shardings)
+        self.stacks = self._write(self.stacks, np.int32(slot - 1), adapter)
+
+
+def _sharding(mesh: Mesh, name: str, part: str, shape: tuple[int, ...]) -> NamedSharding:
+    split_part, axis = SPLIT[name]
+    dims = [None] * len(shape)
+    if part == split_part and shape[axis] % mesh.shape[AXIS] == 0:
+        dims[axis] = AXIS
+    return NamedSharding(mesh, P(*dims))
