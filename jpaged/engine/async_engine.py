@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator, Sequence
 from jpaged.config import EngineConfig
 from jpaged.engine.engine_metrics import ExpertLoad
 from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.lora_adapters import LoRAStats
 from jpaged.engine.pooling_engine import engine_for
+from jpaged.lora_request import LoRARequest
 from jpaged.outputs import RequestOutput
 from jpaged.pooling_params import EmbeddingRequestOutput, PoolingParams
 from jpaged.sampling_params import SamplingParams
@@ -73,6 +75,7 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it progresses (as its params.output_kind says), the last with `finished=True`.
 
@@ -87,7 +90,10 @@ class AsyncLLMEngine:
 
         def add() -> None:
             with self._lock:
-                self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+                options = {} if lora_request is None else {"lora_request": lora_request}
+                self.engine.add_request(
+                    request_id, prompt, params, priority=priority, cache_salt=cache_salt, **options
+                )
                 self._streams[request_id] = (loop, queue)
 
         adding = asyncio.ensure_future(asyncio.to_thread(add))
@@ -132,6 +138,23 @@ class AsyncLLMEngine:
     def expert_load(self) -> ExpertLoad | None:
         with self._lock:
             return self.engine.expert_load()
+
+    # LoRA adapters (LLMEngine's): add_lora reads the adapter's files, so call it from a thread.
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        with self._lock:
+            return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        with self._lock:
+            return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        with self._lock:
+            return self.engine.list_loras()
+
+    def lora_stats(self) -> LoRAStats:
+        with self._lock:
+            return self.engine.lora_stats()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop thread once the in-flight requests finish or `timeout` passes, then abort the rest."""

@@ -14,6 +14,7 @@ from jpaged.engine.pooling_engine import engine_for
 from jpaged.engine.tokenizer import apply_chat_template
 from jpaged.entrypoints.arrays import GeneratedArrays, pack_outputs, prompt_rows
 from jpaged.entrypoints.prompts import EnginePrompt, PromptType, as_prompt_list
+from jpaged.lora_request import LoRARequest
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import CausalLM, as_params
 from jpaged.models.loader import LoadedModel, ModelSource
@@ -58,6 +59,12 @@ class LLM:
         LLMEngine.update_weights."""
         self.engine.update_weights(weights)
 
+    def update_lora(self, name: str, weights) -> None:
+        """Swap LoRA adapter `name`'s matrices in place between generate calls (PEFT-named arrays of its shapes,
+        e.g. `peft.get_peft_model_state_dict` of a trainer's model, or a JAX trainer's arrays named so): nothing
+        recompiles. See LLMEngine.update_lora."""
+        self.engine.update_lora(name, weights)
+
     def sleep(self, level: int = 1) -> None:
         """Give the device memory back between generate calls; see LLMEngine.sleep."""
         self.engine.sleep(level)
@@ -75,12 +82,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`: a str, token ids, vLLM's {"prompt": str} or
-        {"prompt_token_ids": [...]}, a list mixing them, or a [B, T] token array (see prompts.py).
+        {"prompt_token_ids": [...]}, a list mixing them, or a [B, T] token array (see prompts.py); each through
+        `lora_request`'s adapter, or its own where it is a list (None: the base model).
 
         Only final outputs are read, so every request runs as FINAL_ONLY (on a copy of its params)."""
         prompts = as_prompt_list(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [_final_only(sampling_params or SamplingParams())] * len(prompts)
         else:
@@ -92,7 +107,7 @@ class LLM:
                 if id(p) not in finals:
                     finals[id(p)] = _final_only(p)
             params = [finals[id(p)] for p in params]
-        return self._add_and_run(prompts, params, use_tqdm)
+        return self._add_and_run(prompts, params, use_tqdm, loras)
 
     def generate_arrays(
         self,
@@ -195,15 +210,17 @@ class LLM:
         prompts: list[EnginePrompt],
         params: list[SamplingParams] | list[BeamSearchParams] | list[PoolingParams],
         use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput] | list[EmbeddingRequestOutput]:
         for p in params:  # offline, a grammar that does not compile is the caller's ValueError, up front
             if getattr(p, "structured_outputs", None) is not None:
                 self.engine.constrained.compile(p.structured_outputs)
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts), strict=True):
                 ids.append(f"offline-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt.prompt, p, cache_salt=prompt.cache_salt)
+                options = {} if lora is None else {"lora_request": lora}
+                self.engine.add_request(ids[-1], prompt.prompt, p, cache_salt=prompt.cache_salt, **options)
             return self._run(ids, use_tqdm)
         except BaseException:
             for request_id in ids:  # a bad prompt or an interrupt must not leave requests holding blocks
