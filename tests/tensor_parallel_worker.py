@@ -15,6 +15,8 @@ the sizes' runs differ by is the split alone.
       # the all-to-all form (else the default's); --warm: warm-up first, then sampled routing compiles nothing
   python tests/tensor_parallel_worker.py --mixture-forms TP        # expert parallelism's mixture in each form
       # against one device's, on skewed routings (see mixture_forms)
+  python tests/tensor_parallel_worker.py --lora ADAPTER[,ADAPTER...] MODEL_PATH TP [TP ...]   # the prompts under
+      # the base model and each LoRA adapter, in one batch
 """
 
 from __future__ import annotations
@@ -240,6 +242,38 @@ def engine_features(model: str, tp: int, modes: tuple[str, ...] = ("recompute", 
     return results
 
 
+def lora_run(model: str, tp: int, adapters: list[str]) -> dict:
+    """Greedy tokens and logprobs of every prompt under the base model and each adapter, in one batch, and how
+    each device holds the adapter stacks of a matrix split by columns (qkv's B) and one split by rows (o's A)."""
+    llm = LLM(
+        model,
+        tensor_parallel_size=tp,
+        enable_lora=True,
+        max_loras=len(adapters),
+        max_lora_rank=16,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        num_blocks=60,
+        enforce_eager=True,
+    )
+    from jpaged import LoRARequest
+
+    loras = [None, *(LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters))]
+    per_prompt = [lora for lora in loras for _ in PROMPTS]
+    outputs = llm.generate(PROMPTS * len(loras), GREEDY, use_tqdm=False, lora_request=per_prompt)
+    stacks = llm.engine.runner.lora.stacks
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outputs],
+        "logprobs": [
+            [{str(k): v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs] for o in outputs
+        ],
+        "qkv_b_bytes": held_bytes(stacks["qkv"]["b"]),
+        "o_a_bytes": held_bytes(stacks["o"]["a"]),
+    }
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine-features", action="store_true")
@@ -248,11 +282,14 @@ if __name__ == "__main__":
     parser.add_argument("--all-to-all", action="store_true")
     parser.add_argument("--warm", action="store_true")
     parser.add_argument("--mixture-forms", action="store_true")
+    parser.add_argument("--lora", default=None, help="comma-separated PEFT adapter directories")
     parser.add_argument("model")
     parser.add_argument("sizes", nargs="*")
     args = parser.parse_args()
     if args.mixture_forms:
         print(json.dumps({tp: mixture_forms(int(tp)) for tp in [args.model, *args.sizes]}))
+    elif args.lora:
+        print(json.dumps({tp: lora_run(args.model, int(tp), args.lora.split(",")) for tp in args.sizes}))
     elif args.engine_features:
         print(json.dumps({tp: engine_features(args.model, int(tp)) for tp in args.sizes}))
     else:

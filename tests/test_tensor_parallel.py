@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from peft_adapters import make_adapter
 
 from jpaged.models.checkpoint import save_checkpoint
 from jpaged.models.loader import load_model
@@ -18,9 +19,13 @@ from jpaged.models.loader import load_model
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 
 
-def generate(model: str, *sizes: int, features: bool = False, quantization: str = "none") -> dict:
+def generate(
+    model: str, *sizes: int, features: bool = False, quantization: str = "none", lora: list[str] = ()
+) -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     options = ["--engine-features"] if features else ["--quantization", quantization]
+    if lora:
+        options = ["--lora", ",".join(lora)]
     command = [sys.executable, str(WORKER), *options, model, *map(str, sizes)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -114,3 +119,19 @@ def test_prefix_caching_preemption_parallel_samples_and_beams_work_unchanged_on_
     assert one["preemptions recompute"] > 0 and one["preemptions swap"] > 0
     assert one["preemption recompute"] == one["preemption swap"]
     assert [tokens[:8] for tokens in one["preemption swap"]] == one["prefix caching"][0]  # greedy, 8 of 40
+
+
+def test_lora_adapters_mixed_with_the_base_model_on_two_devices_generate_as_one(tiny_llama_dir, tmp_path):
+    """A and B split as their base matrix is (B by columns for qkv, A by rows for o): each device holds half."""
+    adapters = [
+        make_adapter(tiny_llama_dir, tmp_path, "all", rank=8, seed=1),
+        make_adapter(tiny_llama_dir, tmp_path, "qv", rank=4, targets=("q_proj", "v_proj"), seed=2),
+    ]
+    runs = generate(str(tiny_llama_dir), 1, 2, lora=[str(a.path) for a in adapters])
+    assert_same_tokens(runs["1"], runs["2"], tolerance=1e-5)
+    tokens = runs["2"]["tokens"]
+    per_adapter = [tokens[i : i + 3] for i in range(0, len(tokens), 3)]  # the worker's three prompts each
+    assert per_adapter[1] != per_adapter[0] and per_adapter[2] != per_adapter[0]
+    for name in ("qkv_b_bytes", "o_a_bytes"):
+        total, shards = runs["2"][name]
+        assert shards == [total // 2] * 2

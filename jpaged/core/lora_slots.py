@@ -59,7 +59,7 @@ class LoRASlots:
 
     def evict(self, lora_id: int) -> None:
         """Forget an idle adapter's slot (an adapter removed, or changed: it is written again when next acquired);
-        a held one keeps its slot until released (then it is idle and goes first)."""
+        a held one keeps its slot until released (then, idle, it gives it up when another adapter needs one)."""
         if lora_id in self._idle:
             del self._idle[lora_id]
             del self._slot_of[lora_id]
