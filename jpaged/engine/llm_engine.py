@@ -230,8 +230,9 @@ class LLMEngine:
 
     # ---- LoRA adapters (vLLM's names) ----
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        return self.loras.add(lora_request)
+    def add_lora(self, lora_request: LoRARequest, weights=None) -> bool:
+        """Register an adapter: read from its PEFT directory, or given as `weights` in the engine's own layout."""
+        return self.loras.add(lora_request, weights)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.loras.remove(lora_int_id)
@@ -330,8 +331,8 @@ class LLMEngine:
             return None
         tables = self.blocks.block_tables([seq.seq_id for seq in seqs])
         lora_slot_of = None
-        if self.runner.lora is not None:
-            self.loras.load_pending(self.runner.lora)  # before the step that reads them
+        if self.config.enable_lora:
+            self.loras.load_pending(self.runner.write_lora)  # before the step that reads them
             lora_slot_of = self.loras.slot_of
         scheduled = scheduled_step(seqs, num_new_tokens, tables, lora_slot_of)
         self.counters.prompt_tokens += scheduled.num_first_prompt_tokens

@@ -8,7 +8,7 @@ block computed under one adapter is never a hit for another, for the base model,
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +16,13 @@ from jpaged.config import EngineConfig
 from jpaged.core.lora_slots import LoRASlots
 from jpaged.lora_request import LoRARequest
 from jpaged.models.config import ModelConfig
-from jpaged.models.lora_weights import LoRAAdapter, adapter_from_tensors, read_adapter
-from jpaged.runner.lora_stacks import LoRAStacks
+from jpaged.models.lora_weights import (
+    LoRAAdapter,
+    adapter_from_layout,
+    adapter_from_tensors,
+    is_layout,
+    read_adapter,
+)
 
 
 @dataclass(frozen=True)
@@ -43,9 +48,10 @@ class LoRAAdapters:
         self._versions: Counter[int] = Counter()
         self._requests: Counter[str] = Counter()
 
-    def add(self, lora: LoRARequest) -> bool:
-        """Register an adapter, reading its PEFT directory now (a ValueError for one the model cannot take);
-        False when this very adapter is registered already."""
+    def add(self, lora: LoRARequest, weights: Mapping[str, Any] | None = None) -> bool:
+        """Register an adapter, reading its PEFT directory now (a ValueError for one the model cannot take), or
+        taking its `weights` in the engine's own layout (models/lora_weights.adapter_from_layout; kept in host
+        memory); False when this very adapter is registered already."""
         if self.slots is None:
             raise ValueError(f"LoRA adapter {lora.lora_name!r}: the engine was started without enable_lora")
         known = self._registered.get(lora.lora_int_id)
@@ -57,7 +63,11 @@ class LoRAAdapters:
             raise ValueError(
                 f"lora_name {lora.lora_name!r} is adapter id {self._ids[lora.lora_name]} already"
             )
-        adapter = self._read(lora)
+        if weights is None:
+            adapter = self._read(lora)
+        else:
+            adapter = adapter_from_layout(weights, self.model_config, self.config.max_lora_rank)
+            self._updated[lora.lora_int_id] = adapter
         self._registered[lora.lora_int_id] = self._known[lora.lora_int_id] = lora
         self._ids[lora.lora_name] = lora.lora_int_id
         self._cache_put(lora.lora_int_id, adapter)
@@ -86,21 +96,28 @@ class LoRAAdapters:
         return lora.lora_int_id, f"\0lora:{lora.lora_int_id}:{self._versions[lora.lora_int_id]}"
 
     def update(self, name: str, tensors: Mapping[str, Any]) -> None:
-        """Adapter `name`'s matrices replaced by PEFT-named `tensors` of the same shapes (its config kept); written
-        into its slot before the next step; its prefix-cache blocks stop matching."""
+        """Adapter `name`'s matrices replaced by PEFT-named `tensors` of the same shapes (its config kept), or by
+        weights in the engine's own layout; written into its slot before the next step; its prefix-cache blocks
+        stop matching."""
         if name not in self._ids:
             raise ValueError(f"no LoRA adapter named {name!r} (registered: {sorted(self._ids)})")
         lora_id = self._ids[name]
-        old = self._adapter(lora_id)
-        adapter = adapter_from_tensors(tensors, old.config, self.model_config, self.config.max_lora_rank)
+        max_rank = self.config.max_lora_rank
+        if is_layout(tensors):
+            adapter = adapter_from_layout(tensors, self.model_config, max_rank)
+        else:
+            adapter = adapter_from_tensors(
+                tensors, self._adapter(lora_id).config, self.model_config, max_rank
+            )
         self._updated[lora_id] = adapter
         self._versions[lora_id] += 1
         self.slots.reload(lora_id)
 
-    def load_pending(self, stacks: LoRAStacks) -> None:
-        """Write the adapters the scheduler just gave slots to into those slots (before the step that reads them)."""
+    def load_pending(self, write: Callable[[int, dict], None]) -> None:
+        """Write the adapters the scheduler just gave slots to into those slots (`write(slot, weights)`: the
+        runner's, before the step that reads them)."""
         for slot, lora_id in self.slots.take_pending_loads():
-            stacks.write(slot, self._adapter(lora_id).weights)
+            write(slot, self._adapter(lora_id).weights)
 
     def slot_of(self, lora_id: int) -> int:
         return self.slots.slot_of(lora_id)

@@ -59,10 +59,15 @@ class LLM:
         LLMEngine.update_weights."""
         self.engine.update_weights(weights)
 
+    def add_lora(self, lora_request: LoRARequest, weights=None) -> bool:
+        """Register an adapter ahead of its first request (LLMEngine.add_lora): from its PEFT directory, or given
+        as `weights` in the engine's own layout (a trainer's, with no file)."""
+        return self.engine.add_lora(lora_request, weights)
+
     def update_lora(self, name: str, weights) -> None:
         """Swap LoRA adapter `name`'s matrices in place between generate calls (PEFT-named arrays of its shapes,
-        e.g. `peft.get_peft_model_state_dict` of a trainer's model, or a JAX trainer's arrays named so): nothing
-        recompiles. See LLMEngine.update_lora."""
+        e.g. `peft.get_peft_model_state_dict` of a trainer's model, or arrays in the engine's own layout, a JAX
+        trainer's: models/lora_weights.adapter_from_layout): nothing recompiles. See LLMEngine.update_lora."""
         self.engine.update_lora(name, weights)
 
     def sleep(self, level: int = 1) -> None:
@@ -117,6 +122,7 @@ class LLM:
         *,
         return_logprobs: bool = False,
         pad_token_id: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> GeneratedArrays:
         """`generate` with arrays in and out: prompts from a `[B, T]` array (row i's first `lengths[i]` tokens)
         or a list of 1-D arrays; outputs as padded `[B, max_tokens]` device arrays, with the sampled tokens'
@@ -129,7 +135,9 @@ class LLM:
         if return_logprobs and params.logprobs is None:
             params = params.clone()
             params.logprobs = 0  # the sampled token's own logprob
-        outputs = self.generate(prompt_rows(token_ids, lengths), params, use_tqdm=False)
+        outputs = self.generate(
+            prompt_rows(token_ids, lengths), params, use_tqdm=False, lora_request=lora_request
+        )
         return pack_outputs(outputs, params.max_tokens, pad_token_id, return_logprobs)
 
     def beam_search(

@@ -43,7 +43,7 @@ from jpaged.models.activations import act_and_mul
 from jpaged.models.batch import KVCache, StepBatch
 from jpaged.models.config import ModelConfig
 from jpaged.models.fused_columns import fused_sizes, split_fused
-from jpaged.models.lora import lora_delta
+from jpaged.models.lora import XLA_LORA, XlaLoRA
 from jpaged.models.moe import SparseMoE
 from jpaged.models.products import EXPERT_MATRICES, LAYER_MATRICES, STACKED, MatrixProducts
 from jpaged.models.rope import cos_sin, rotate
@@ -80,17 +80,17 @@ class StepContext:
     live_tokens: jax.Array  # the step's real tokens (the rest of T is padding)
     attention: Callable
     products: MatrixProducts
-    # The layer's LoRA stacks (name -> {"a": [S, in, W], "b": [S, W, out]}: models/lora.py), each token's slot
-    # (batch.lora_slots) and how the deltas are computed; None without adapters.
+    # The LoRA stacks (name -> {"a", "b"}: models/lora.py; the layer's, or whole where `lora_deltas` reads them
+    # so) and how the deltas are computed; each token's slot is batch.lora_slots. None without adapters.
     lora: dict | None = None
-    lora_method: str = "dense"
+    lora_deltas: XlaLoRA = XLA_LORA
 
     def matmul(self, name: str, weight: nnx.Param, x: jax.Array, layer: jax.Array) -> jax.Array:
         out = self.products.layer(name, weight[...], x, layer, self.live_tokens)
         if self.lora is None or name not in self.lora:
             return out
-        stacks = self.lora[name]
-        return out + lora_delta(x, stacks["a"], stacks["b"], self.batch.lora_slots, self.lora_method)
+        slots = self.batch.lora_slots
+        return out + self.lora_deltas.delta(name, x, self.lora[name], slots, layer, self.live_tokens)
 
     def gated(self, weight: nnx.Param, x: jax.Array, layer: jax.Array, sizes: tuple[int, int]) -> jax.Array:
         activation = self.config.hidden_activation
@@ -278,10 +278,13 @@ class CausalLM(nnx.Module):
         *,
         attention: Callable,
         products: MatrixProducts = STACKED,
+        lora: dict | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """Run the step's tokens through the model; returns (float32 logits [R, V] of the rows
-        `batch.logits_indices` names, updated cache)."""
-        x, kv_cache, _ = self.hidden_states(kv_cache, batch, attention=attention, products=products)
+        """Run the step's tokens through the model (through LoRA stacks, `hidden_states`); returns (float32 logits
+        [R, V] of the rows `batch.logits_indices` names, updated cache)."""
+        x, kv_cache, _ = self.hidden_states(
+            kv_cache, batch, attention=attention, products=products, lora=lora
+        )
         return self.logits(x[batch.logits_indices], batch.num_logits[0], products), kv_cache
 
     def hidden_states(
@@ -292,11 +295,11 @@ class CausalLM(nnx.Module):
         attention: Callable,
         products: MatrixProducts = STACKED,
         lora: dict | None = None,
-        lora_method: str = "dense",
+        lora_deltas: XlaLoRA = XLA_LORA,
     ) -> tuple[jax.Array, KVCache]:
         """The last layer's output for every token [T, D] (before the final norm), the updated cache, and how many
         of the step's tokens each layer's experts took [L, E] (a mixture of experts'; [L, 0] for a dense model). `lora`: the adapter stacks
-        (name -> {"a": [L, S, in, W], "b": [L, S, W, out]}, models/lora.py), each token's slot in batch.lora_slots."""
+        as `lora_deltas` reads them: models/lora.py), each token's slot in batch.lora_slots."""
         c = self.config
         dtype = self.final_norm.weight[...].dtype
         block_size = kv_cache.k.shape[2]
@@ -314,20 +317,22 @@ class CausalLM(nnx.Module):
             batch.query_start[batch.num_seqs[0]],
             attention,
             products,
-            lora_method=lora_method,
+            lora=lora if lora_deltas.whole_stacks else None,
+            lora_deltas=lora_deltas,
         )
+        layer_lora = None if lora_deltas.whole_stacks else lora  # sliced to each layer by the scan
         whole_paths = {{**LAYER_MATRICES, **EXPERT_MATRICES}[name] for name in products.whole_matrices}
         graphdef, whole, sliced = nnx.split(self.layers, lambda path, _: tuple(path) in whole_paths, ...)
 
         def layer(carry, xs):
-            state, index, layer_lora = xs
-            layer_step = step if layer_lora is None else replace(step, lora=layer_lora)
+            state, index, sliced_lora = xs
+            layer_step = step if sliced_lora is None else replace(step, lora=sliced_lora)
             return nnx.merge(graphdef, whole, state)(*carry, index, layer_step)
 
         x = self.embed(batch.token_ids, products)
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
         (x, k_cache, v_cache), counts = jax.lax.scan(
-            layer, (x, kv_cache.k, kv_cache.v), (sliced, layer_ids, lora)
+            layer, (x, kv_cache.k, kv_cache.v), (sliced, layer_ids, layer_lora)
         )
         return x, KVCache(k_cache, v_cache), counts
 
@@ -381,10 +386,12 @@ def forward(
     config: ModelConfig,
     attention: Callable,
     products: MatrixProducts = STACKED,
+    lora: dict | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """The model as a pure function of its state dict (for jit, grad, and the runner's step)."""
+    """The model as a pure function of its state dict (for jit, grad, and the runner's step), and of LoRA stacks
+    where given (models/lora.py: differentiable too, for a trainer of an adapter)."""
     model = nnx.merge(model_graphdef(config), params)
-    return model(kv_cache, batch, attention=attention, products=products)
+    return model(kv_cache, batch, attention=attention, products=products, lora=lora)
 
 
 def is_float8_pool(dtype) -> bool:

@@ -17,6 +17,9 @@ Three ways to compute the per-token delta (scripts/bench_lora.py measures them):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
@@ -31,6 +34,30 @@ def split_adapters(weights: dict) -> tuple[dict, dict | None]:
     if ADAPTERS not in weights:
         return weights, None
     return {key: value for key, value in weights.items() if key != ADAPTERS}, weights[ADAPTERS]
+
+
+@dataclass(frozen=True)
+class XlaLoRA:
+    """The stacks as A [L, S, in, W] and B [L, S, W, out], sliced to a layer by the layer scan; the deltas by XLA in
+    one of LORA_METHODS. What the step reads except on a CPU with the C++ matmul kernel (runner/lora_panels.py)."""
+
+    method: str = "dense"
+    whole_stacks: ClassVar[bool] = False  # the scan slices the stacks to the layer
+
+    def shapes(self, fan_in: int, width: int, fan_out: int, layers: int, slots: int) -> tuple[tuple, tuple]:
+        return (layers, slots, fan_in, width), (layers, slots, width, fan_out)
+
+    def write(self, stacks: dict, row: jax.Array, adapter: dict) -> dict:
+        """Stack row `row` set to one adapter's arrays (name -> {"a": [L, in, W], "b": [L, W, out]})."""
+        return jax.tree_util.tree_map(
+            lambda stack, new: stack.at[:, row].set(new.astype(stack.dtype)), stacks, adapter
+        )
+
+    def delta(self, name: str, x: jax.Array, stacks: dict, slots: jax.Array, layer, rows) -> jax.Array:
+        return lora_delta(x, stacks["a"], stacks["b"], slots, self.method)
+
+
+XLA_LORA = XlaLoRA()
 
 
 def lora_delta(

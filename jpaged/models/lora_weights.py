@@ -138,6 +138,36 @@ def adapter_from_tensors(
     return LoRAAdapter(dict(adapter_config), rank, weights)
 
 
+def is_layout(weights: Mapping[str, Any]) -> bool:
+    """Whether `weights` is in the engine's own layout (matrix name -> {"a", "b"}) rather than PEFT-named."""
+    return bool(weights) and all(
+        name in LAYER_MATRICES and isinstance(pair, Mapping) for name, pair in weights.items()
+    )
+
+
+def adapter_from_layout(
+    weights: Mapping[str, Mapping[str, Any]], config: ModelConfig, max_rank: int
+) -> LoRAAdapter:
+    """An adapter given in the engine's own layout (name -> {"a": [L, in, W], "b": [L, W, out]}, lora_shapes; the
+    scale folded into B): what a JAX trainer of jpaged's own model holds (scripts/rl_rollout_demo.py --lora). Any
+    [in, W] x [W, out] pair is a delta of rank at most W; matrices left out are zero."""
+    shapes = lora_shapes(config, max_rank)
+    unknown = sorted(set(weights) - set(shapes))
+    if unknown:
+        raise ValueError(f"LoRA weights name {unknown}: this model's matrices are {sorted(shapes)}")
+    out = {}
+    for name, (fan_in, width, fan_out) in shapes.items():
+        expected = {"a": (config.num_layers, fan_in, width), "b": (config.num_layers, width, fan_out)}
+        pair = weights.get(name)
+        out[name] = {part: np.zeros(shape, np.float32) for part, shape in expected.items()}
+        for part, shape in expected.items() if pair is not None else ():
+            if part not in pair or np.shape(pair[part]) != shape:
+                got = np.shape(pair[part]) if part in pair else "nothing"
+                raise ValueError(f"LoRA weights {name}.{part}: expected shape {shape}, got {got}")
+            out[name][part] = _float32(pair[part])
+    return LoRAAdapter({}, max_rank, out)
+
+
 def check_adapter_config(adapter_config: Mapping[str, Any]) -> None:
     """Refuse, naming the field, adapters that are not plain LoRA (x @ A @ B on the layer matrices)."""
     peft_type = adapter_config.get("peft_type")

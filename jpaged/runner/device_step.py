@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.models.llama import KVCache
-from jpaged.models.lora import split_adapters
+from jpaged.models.lora import XLA_LORA, XlaLoRA, split_adapters
 from jpaged.models.products import MatrixProducts
 from jpaged.runner.expert_load import load_histogram
 from jpaged.runner.packed_inputs import unpack
@@ -41,7 +41,7 @@ def forward_step(
     attention,
     products,
     logits_sharding,
-    lora_method="dense",
+    lora_deltas=XLA_LORA,
 ):
     """`packed` holds the step's batch (packed_inputs.py); `params` may carry LoRA stacks (models/lora.py). Returns the KV cache, the float32 logits [S, V] of the
     rows to sample (in `logits_sharding` where a mesh splits them), every token's hidden states [T, D], which
@@ -52,7 +52,7 @@ def forward_step(
     params, lora = split_adapters(params)
     model = nnx.merge(graphdef, params)
     hidden, kv_cache, counts = model.hidden_states(
-        kv_cache, batch, attention=attention, products=products, lora=lora, lora_method=lora_method
+        kv_cache, batch, attention=attention, products=products, lora=lora, lora_deltas=lora_deltas
     )
     logits = model.logits(hidden[batch.logits_indices], batch.num_logits[0], products)
     if logits_sharding is not None:
@@ -102,10 +102,10 @@ def bind_step(
     *,
     branch_free: bool,
     logits_sharding: jax.sharding.Sharding | None = None,
-    lora_method: str = "dense",
+    lora_deltas: XlaLoRA = XLA_LORA,
 ) -> StepFunctions:
     """The step's halves for one model (the static half of its `nnx.split`), attention implementation, weight
-    layout, logits sharding, LoRA delta method and sampler form (all static; branch-free on accelerators, see
+    layout, logits sharding, LoRA stacks' layout and sampler form (all static; branch-free on accelerators, see
     sampler.py)."""
     return StepFunctions(
         functools.partial(
@@ -114,7 +114,7 @@ def bind_step(
             attention=attention,
             products=products,
             logits_sharding=logits_sharding,
-            lora_method=lora_method,
+            lora_deltas=lora_deltas,
         ),
         functools.partial(sample_step, branch_free=branch_free),
     )

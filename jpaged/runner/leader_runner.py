@@ -77,6 +77,9 @@ class LeaderRunner:
     def copy_blocks(self, copies):
         return self._both("copy_blocks", copies)
 
+    def write_lora(self, slot: int, weights: dict | None) -> None:
+        self._both("write_lora", slot, weights)
+
     def warmup(self, progress: bool = True) -> float:
         self._followers.send((self._id, "warmup", (False,)))
         return self._runner.warmup(progress)

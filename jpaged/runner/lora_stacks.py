@@ -1,5 +1,6 @@
-"""The engine's LoRA slots on the device: the fixed-shape stacks the step reads (models/lora.py), and the one
-compiled program that writes an adapter into a slot in place. An adapter's B columns follow its base matrix's
+"""The engine's LoRA slots on the device: the fixed-shape stacks the step reads, in the layout its deltas take
+(models/lora.py's XlaLoRA, or the C++ kernel's panels on a CPU: lora_panels.py), and the one compiled program that
+writes an adapter into a slot in place. An adapter's B columns follow its base matrix's
 (KV heads repeated, fused columns grouped per tensor-parallel shard), and under tensor parallelism A and B are split
 as the base matrix is: B by columns where the base matrix is split by columns (qkv, gate_up), A by rows where it is
 split by rows (o, down), so each device computes its part of the delta beside its part of the product."""
@@ -16,28 +17,41 @@ from jax.sharding import PartitionSpec as P
 
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
+from jpaged.models.lora import XlaLoRA
 from jpaged.models.lora_weights import lora_shapes
+from jpaged.models.products import MatrixProducts
+from jpaged.runner.lora_panels import PanelLoRA
 from jpaged.runner.tensor_parallel import AXIS
+from jpaged.runner.weight_layout import PanelProducts
 from jpaged.runner.weight_placement import WeightPlacement
 
 # Which of a LoRA pair splits with its base matrix under tensor parallelism, and along which of its axes (of A
 # [L, S, in, W] or B [L, S, W, out]).
 SPLIT = {"qkv": ("b", 3), "gate_up": ("b", 3), "o": ("a", 2), "down": ("a", 2)}
-# How each backend computes the deltas (models/lora.py's LORA_METHODS), by scripts/bench_lora.py.
+# How XLA computes the deltas (models/lora.py's LORA_METHODS) where the C++ kernel does not, by
+# scripts/bench_lora.py.
 LORA_METHODS_BY_BACKEND = {"cpu": "dense", "gpu": "dense", "tpu": "dense"}
 
 
-def lora_method_for(backend: str) -> str:
-    return LORA_METHODS_BY_BACKEND.get(backend, "dense")
+def lora_layout(
+    products: MatrixProducts, shapes: dict[str, tuple[int, int, int]], max_loras: int, backend: str
+) -> XlaLoRA | PanelLoRA:
+    """The C++ kernel's panels beside its panels of the weights (a CPU), else XLA's stacks."""
+    if isinstance(products, PanelProducts):
+        return PanelLoRA(max_loras, tuple((name, w, out) for name, (_, w, out) in shapes.items()))
+    return XlaLoRA(LORA_METHODS_BY_BACKEND.get(backend, "dense"))
 
 
 def lora_stacks(
-    config: EngineConfig, loaded_config: ModelConfig, dtype, mesh: Mesh | None, weights: WeightPlacement
-) -> LoRAStacks | None:
-    """The engine's adapter slots for this model (None without enable_lora), B's columns where the step's layout
-    puts the base matrix's."""
-    if not config.enable_lora:
-        return None
+    config: EngineConfig,
+    loaded_config: ModelConfig,
+    dtype,
+    mesh: Mesh | None,
+    weights: WeightPlacement,
+    layout: XlaLoRA | PanelLoRA,
+) -> LoRAStacks:
+    """The engine's adapter slots for this model, in `layout`, B's columns where the step's layout puts the base
+    matrix's."""
     shapes = lora_shapes(loaded_config, config.max_lora_rank)
     columns = {}
     if mesh is not None:  # KV heads repeated, fused columns grouped per shard: as the base matrices'
@@ -50,18 +64,12 @@ def lora_stacks(
         for name, (parent, leaf) in fused.items():
             if name in shapes:
                 columns[name] = np.asarray(laid_out[parent][leaf])
-    return LoRAStacks(shapes, loaded_config.num_layers, config.max_loras, dtype, columns, mesh)
-
-
-def _write_slot(stacks: dict, row: jax.Array, adapter: dict) -> dict:
-    return jax.tree_util.tree_map(
-        lambda stack, new: stack.at[:, row].set(new.astype(stack.dtype)), stacks, adapter
-    )
+    return LoRAStacks(shapes, loaded_config.num_layers, config.max_loras, dtype, columns, mesh, layout)
 
 
 class LoRAStacks:
-    """`max_loras` slots of every layer matrix's A [L, S, in, W] and B [L, S, W, out]; slot s (1..S) is row s - 1,
-    all zeros until an adapter is written there."""
+    """`max_loras` slots of every layer matrix's A and B in `layout`; slot s (1..S) is row s - 1, all zeros until
+    an adapter is written there."""
 
     def __init__(
         self,
@@ -71,6 +79,7 @@ class LoRAStacks:
         dtype,
         columns: dict[str, np.ndarray],
         mesh: Mesh | None,
+        layout: XlaLoRA | PanelLoRA,
     ) -> None:
         """`shapes`: each matrix's (in, W, out) as the loaders' weights have it (models/lora_weights.lora_shapes);
         `columns`: for a matrix whose columns the step's layout moves, the loaders' column each of the step's comes
@@ -78,12 +87,15 @@ class LoRAStacks:
         self.columns = columns
         self.dtype = dtype
         self.max_loras = max_loras
-        self.shapes = {
-            name: (
-                (num_layers, max_loras, d_in, width),
-                (num_layers, max_loras, width, len(columns.get(name, range(out)))),
-            )
+        self.layout = layout
+        # One slot's arrays as `write` takes them: A [L, in, W] and B [L, W, out] (out: the step's columns).
+        self.slot_shapes = {
+            name: ((num_layers, d_in, width), (num_layers, width, len(columns.get(name, range(out)))))
             for name, (d_in, width, out) in shapes.items()
+        }
+        self.shapes = {
+            name: layout.shapes(a[1], a[2], b[2], num_layers, max_loras)
+            for name, (a, b) in self.slot_shapes.items()
         }
         self.shardings = None
         if mesh is not None:
@@ -111,7 +123,7 @@ class LoRAStacks:
         stacks = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.stacks
         )
-        jitted = jax.jit(_write_slot, donate_argnums=0, out_shardings=self.shardings)
+        jitted = jax.jit(self.layout.write, donate_argnums=0, out_shardings=self.shardings)
         self._write = compile_fn(jitted, (stacks, np.int32(0), adapter), "lora_write_slot")
 
     def _zeros(self) -> dict:
@@ -129,11 +141,8 @@ class LoRAStacks:
     def _host_zeros(self) -> dict:
         """One slot's arrays (an adapter as `write` takes it, arranged), zero."""
         return {
-            name: {
-                part: np.zeros((shape[0], *shape[2:]), np.float32)
-                for part, shape in zip("ab", pair, strict=True)
-            }
-            for name, pair in self.shapes.items()
+            name: {part: np.zeros(shape, np.float32) for part, shape in zip("ab", pair, strict=True)}
+            for name, pair in self.slot_shapes.items()
         }
 
     def write(self, slot: int, weights: dict | None) -> None:

@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
 from jpaged.models.llama import KVCache, init_kv_cache, model_graphdef, params_dtype
-from jpaged.models.lora import ADAPTERS
+from jpaged.models.lora import ADAPTERS, XLA_LORA
+from jpaged.models.lora_weights import lora_shapes
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import huge_pages
@@ -36,7 +37,7 @@ from jpaged.runner.device_step import (
 )
 from jpaged.runner.expert_parallel import expert_parallel_products
 from jpaged.runner.kv_transfer import HostSwapSpace
-from jpaged.runner.lora_stacks import lora_method_for, lora_stacks
+from jpaged.runner.lora_stacks import lora_layout, lora_stacks
 from jpaged.runner.packed_inputs import pack
 from jpaged.runner.sampling_inputs import (
     SamplingRow,
@@ -156,10 +157,15 @@ class ModelRunner:
         if self.mesh:
             attention = shard_attention(attention, self.mesh)
         self._logits_sharding = logits_sharding(self.mesh, model_config.vocab_size) if self.mesh else None
-        self.lora_method = lora_method_for(jax.default_backend())
-        step = self.bind_step(attention)
         # The adapter slots (with enable_lora): the step reads them beside the weights (models/lora.py).
-        self.lora = lora_stacks(config, loaded_config, self.dtype, self.mesh, self.weights)
+        self.lora = self.lora_deltas = None
+        if config.enable_lora:
+            shapes = lora_shapes(loaded_config, config.max_lora_rank)
+            self.lora_deltas = lora_layout(products, shapes, config.max_loras, jax.default_backend())
+            self.lora = lora_stacks(
+                config, loaded_config, self.dtype, self.mesh, self.weights, self.lora_deltas
+            )
+        step = self.bind_step(attention)
         inputs = ProgramInputs.of(
             self.step_weights,
             self.kv_cache,
@@ -181,7 +187,7 @@ class ModelRunner:
                 repr(products),
                 self.attention_impl,
                 self.branch_free,
-                self.lora_method,
+                repr(self.lora_deltas),
                 *self.program_kind,
             ),
         )
@@ -207,7 +213,7 @@ class ModelRunner:
             self.products,
             branch_free=self.branch_free,
             logits_sharding=self._logits_sharding,
-            lora_method=self.lora_method,
+            lora_deltas=self.lora_deltas or XLA_LORA,
         )
 
     # ---- a step ----
@@ -401,6 +407,10 @@ class ModelRunner:
         self.params = _in_huge_pages(self.weights.to_device(self._host_params), "weights")
         self._host_params = None
         self.kv_cache = self._allocate_kv_cache()
+
+    def write_lora(self, slot: int, weights: dict | None) -> None:
+        """Adapter slot `slot` set to these weights (lora_stacks.LoRAStacks.write), before the step that reads it."""
+        self.lora.write(slot, weights)
 
     # ---- KV blocks outside a step ----
 
