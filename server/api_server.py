@@ -5,15 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from jpaged_server.body_limit import BodySizeLimitMiddleware
 from jpaged_server.chat_template import chat_prompt_ids, load_chat_template
-from jpaged_server.cli import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STORED_RESPONSES, auto_tool_parser
+from jpaged_server.cli import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_STORED_RESPONSES,
+    auto_tool_parser,
+    lora_modules,
+)
 from jpaged_server.errors import APIError, error_response, install_error_handlers
 from jpaged_server.lifecycle import GracefulServer
+from jpaged_server.lora_adapters import LoRAModule
 from jpaged_server.metrics import ServerMetrics
 from jpaged_server.protocol import (
     ChatCompletionRequest,
@@ -27,6 +34,7 @@ from jpaged_server.response_store import ResponseStore
 from jpaged_server.serving_chat import create_chat_completion
 from jpaged_server.serving_completions import create_completion
 from jpaged_server.serving_embeddings import add_pooling_routes
+from jpaged_server.serving_lora import add_lora_routes
 from jpaged_server.serving_responses import create_response, delete_response, retrieve_response
 from jpaged_server.startup import EngineLoader, StartupApp
 from jpaged_server.state import ServerState, get_state
@@ -59,9 +67,13 @@ def build_app(
     reasoning_parser: str | None = None,
     strict_request_fields: bool = False,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    lora_modules: Sequence[LoRAModule] = (),
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app over a running engine, warmed up (AsyncLLMEngine.from_config returns after its
-    warm-up): its /ready is 200 from the start. The caller owns the engine (and shuts it down)."""
+    warm-up): its /ready is 200 from the start. The caller owns the engine (and shuts it down).
+
+    `lora_modules` are added to the engine here (a bad adapter raises its ValueError), each then a `model` name."""
     app = FastAPI(title="jpaged", version=jpaged.__version__)
     app.state.server = ServerState(
         engine=engine,
@@ -79,6 +91,10 @@ def build_app(
         logger.warning(
             "gpt-oss chats in harmony: --chat-template, --tool-call-parser and --reasoning-parser unused"
         )
+    for module in lora_modules:
+        lora = app.state.server.loras.new_request(module, engine.list_loras())
+        engine.add_lora(lora)
+        app.state.server.loras.add(lora)
     app.state.responses = ResponseStore(max_stored_responses)  # the Responses API's previous_response_id
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, state=app.state.server)
@@ -89,6 +105,8 @@ def build_app(
     app.post("/v1/responses")(create_response)
     app.get("/v1/responses/{response_id}")(retrieve_response)
     app.delete("/v1/responses/{response_id}")(delete_response)
+    if allow_runtime_lora_updating:
+        add_lora_routes(app)
     _add_info_routes(app)
     return app
 
@@ -161,8 +179,17 @@ def _add_info_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         state = get_state(request)
-        card = ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
-        return ModelList(data=[card])
+        base = ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
+        adapters = [
+            ModelCard(
+                id=lora.lora_name,
+                root=lora.lora_path,
+                parent=lora.base_model_name or state.model_name,
+                max_model_len=state.max_model_len,
+            )
+            for lora in state.loras
+        ]
+        return ModelList(data=[base, *adapters])
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:
@@ -223,6 +250,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError(f"shutdown_grace_period must be >= 0 seconds, got {args.shutdown_grace_period}")
     chat_template = load_chat_template(args.chat_template)
     tool_parser = auto_tool_parser(args)
+    adapters = lora_modules(args, config)
 
     def load() -> FastAPI:
         return build_app(
@@ -236,6 +264,8 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             reasoning_parser=args.reasoning_parser,
             strict_request_fields=args.strict_request_fields,
             max_stored_responses=args.max_stored_responses,
+            lora_modules=adapters,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
 
     startup = StartupApp()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from jpaged_server.lora_adapters import LoRAModule, parse_lora_module
 from jpaged_server.reasoning_parsers import REASONING_PARSERS
 from jpaged_server.tool_parsers import TOOL_PARSERS
 
@@ -65,6 +66,34 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="split <think> reasoning into message.reasoning",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served as models (needs --enable-lora): name=path items or JSON objects "
+        '{"name": ..., "path": ..., "base_model_name": ...}',
+    )
+    parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=runtime_lora_updating_from_env(),
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter; also set by "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or true)",
+    )
+
+
+def runtime_lora_updating_from_env() -> bool:
+    """vLLM's switch for the adapter loading routes: VLLM_ALLOW_RUNTIME_LORA_UPDATING set to 1 or true."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+
+
+def lora_modules(args: argparse.Namespace, config: EngineConfig) -> list[LoRAModule]:
+    """The adapters to serve from the start; the flag is checked against --enable-lora here."""
+    if args.lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (the engine holds no adapters without it)")
+    return args.lora_modules
 
 
 def auto_tool_parser(args: argparse.Namespace) -> str | None:

@@ -17,6 +17,7 @@ from fastapi import Request
 from jpaged_server.errors import APIError
 from jpaged_server.state import ServerState
 
+from jpaged import LoRARequest
 from jpaged.engine.async_engine import EngineDeadError, StepFailedError
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
@@ -59,8 +60,10 @@ async def generate_outputs(
     *,
     priority: int = 0,
     cache_salt: str | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield (input index, output) until every engine request finished.
+    """Yield (input index, output) until every engine request finished, each served through `lora_request`'s
+    adapter when one is given.
 
     Raises GenerationStopped on disconnect or shutdown, APIError(503) if the engine loop died, APIError(500) if a
     step that ran this request failed.
@@ -77,6 +80,7 @@ async def generate_outputs(
                 f"{engine_id}-{index}",
                 priority=priority,
                 cache_salt=cache_salt,
+                **adapter,
             ):
                 tracker.observe(output)
                 queue.put_nowait((index, output))
@@ -84,6 +88,10 @@ async def generate_outputs(
         except Exception as err:  # cancellation (a BaseException) is how the others stop it: not reported
             queue.put_nowait(err)
 
+    adapter = {}  # without one, the engine call is the one every engine takes (a scripted one too)
+    if lora_request is not None:
+        adapter = {"lora_request": lora_request}
+        state.metrics.lora_requests.labels(state.model_name, lora_request.lora_name).inc(len(inputs))
     state.in_flight += 1
     pumps = [asyncio.create_task(pump(i, item)) for i, item in enumerate(inputs)]
     disconnect = asyncio.create_task(_client_disconnected(http_request))

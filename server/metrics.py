@@ -8,13 +8,18 @@ outputs stream past.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from jpaged.engine.async_engine import AsyncLLMEngine
 from jpaged.engine.engine_metrics import ExpertLoad
 from jpaged.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from jpaged.engine.lora_adapters import LoRAStats
 
 # vLLM's buckets, so dashboards built for vLLM read these unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -62,6 +67,28 @@ class EngineCollector:
         load = self._engine.expert_load()
         if load is not None:
             yield expert_load_family(load, self._model_name)
+        if self._engine.engine.config.enable_lora:
+            yield from lora_families(self._engine.lora_stats(), self._model_name)
+
+
+def lora_families(stats: LoRAStats, model_name: str) -> Iterator[Metric]:
+    """The engine's LoRA device slots: how many running requests hold, how many hold an adapter, of how many,
+    and how often one was written (loads growing with steady traffic: --max-loras is too small for it)."""
+    for name, value, doc in (
+        ("lora_slots_in_use", stats.slots_in_use, "LoRA device slots that running requests hold."),
+        ("lora_slots_filled", stats.slots_filled, "LoRA device slots holding an adapter, in use or idle."),
+        ("lora_slots", stats.max_loras, "LoRA device slots (--max-loras)."),
+    ):
+        family = GaugeMetricFamily(f"jpaged:{name}", doc, labels=["model_name"])
+        family.add_metric([model_name], float(value))
+        yield family
+    loads = CounterMetricFamily(
+        "jpaged:lora_slot_loads",
+        "Adapters written into a device slot (first loads and least-recently-used swaps).",
+        labels=["model_name"],
+    )
+    loads.add_metric([model_name], float(stats.slot_loads))
+    yield loads
 
 
 def expert_load_family(load: ExpertLoad, model_name: str) -> HistogramMetricFamily:
@@ -88,6 +115,12 @@ class ServerMetrics:
             "jpaged:request_success",
             "Finished sequences by finish reason (stop, length, abort).",
             ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.lora_requests = Counter(
+            "jpaged:lora_requests",
+            "Requests admitted per LoRA adapter (one per prompt).",
+            ["model_name", "lora_name"],
             registry=self.registry,
         )
         self.time_to_first_token = Histogram(

@@ -445,7 +445,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "jpaged"
-    root: str
+    root: str  # the model's path; an adapter's directory
+    parent: str | None = None  # an adapter's base model
     max_model_len: int
 
 

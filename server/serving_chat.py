@@ -106,13 +106,19 @@ def _echoed(body: ChatCompletionRequest) -> str:
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     headers = state.check_fields(body)
     engine_input, reply = await chat_engine_input(state, body)
     state.admit()
     request_id = response_id("chatcmpl", body.request_id, request)
     outputs = generate_outputs(
-        state, request_id, [engine_input], request, priority=body.priority, cache_salt=body.cache_salt
+        state,
+        request_id,
+        [engine_input],
+        request,
+        priority=body.priority,
+        cache_salt=body.cache_salt,
+        lora_request=lora,
     )
     if body.stream:
         options = body.stream_options or StreamOptions()
@@ -156,7 +162,7 @@ async def _whole(
         )
     response = ChatCompletionResponse(
         id=request_id,
-        model=state.model_name,
+        model=state.response_model(body.model),
         choices=choices,
         usage=usage_of([final]),
         prompt_logprobs=vllm_prompt_logprobs(final) if body.prompt_logprobs is not None else None,
@@ -179,7 +185,9 @@ async def _stream(
     def chunk(choice: ChatStreamChoice, **extra) -> str:
         usage = tracker.usage() if options.include_usage and options.continuous_usage_stats else None
         return sse(
-            ChatCompletionChunk(id=request_id, model=state.model_name, choices=[choice], usage=usage, **extra)
+            ChatCompletionChunk(
+                id=request_id, model=state.response_model(body.model), choices=[choice], usage=usage, **extra
+            )
         )
 
     replies = [reply.streaming() for _ in range(n)]
@@ -218,5 +226,7 @@ async def _stream(
             )
     if options.include_usage:
         yield sse(
-            ChatCompletionChunk(id=request_id, model=state.model_name, choices=[], usage=tracker.usage())
+            ChatCompletionChunk(
+                id=request_id, model=state.response_model(body.model), choices=[], usage=tracker.usage()
+            )
         )

@@ -151,7 +151,7 @@ def _beam_search_params(
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     headers = state.check_fields(body)
     spec = None
     if (constraint := requested_spec(body)) is not None:
@@ -161,7 +161,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state.admit()
     request_id = response_id("cmpl", body.request_id, request)
     outputs = generate_outputs(
-        state, request_id, inputs, request, priority=body.priority, cache_salt=body.cache_salt
+        state,
+        request_id,
+        inputs,
+        request,
+        priority=body.priority,
+        cache_salt=body.cache_salt,
+        lora_request=lora,
     )
     if body.stream:
         options = body.stream_options or StreamOptions()
@@ -212,7 +218,10 @@ async def _whole(
                 )
             )
     response = CompletionResponse(
-        id=request_id, model=state.model_name, choices=choices, usage=usage_of(finals.values())
+        id=request_id,
+        model=state.response_model(body.model),
+        choices=choices,
+        usage=usage_of(finals.values()),
     )
     return JSONResponse(response.model_dump(), headers=headers)
 
@@ -241,7 +250,7 @@ async def _stream(
                     logprobs = join_logprobs(_prompt_logprobs(state, tracker.first_outputs[index]), logprobs)
             chunk = CompletionResponse(
                 id=request_id,
-                model=state.model_name,
+                model=state.response_model(body.model),
                 choices=[
                     CompletionChoice(
                         index=index * n + choice.index,
@@ -260,7 +269,9 @@ async def _stream(
             yield sse(chunk)
     if options.include_usage:
         yield sse(
-            CompletionResponse(id=request_id, model=state.model_name, choices=[], usage=tracker.usage())
+            CompletionResponse(
+                id=request_id, model=state.response_model(body.model), choices=[], usage=tracker.usage()
+            )
         )
 
 

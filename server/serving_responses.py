@@ -84,7 +84,7 @@ def get_store(request: Request) -> ResponseStore:
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = get_state(request)
     store = get_store(request)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     body.check_supported()
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
@@ -110,9 +110,15 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     except APIError as err:
         raise _in_responses_terms(err) from None
     state.admit()
-    response = ResponseObject.of_request(new_id("resp"), state.model_name, body)
+    response = ResponseObject.of_request(new_id("resp"), state.response_model(body.model), body)
     outputs = generate_outputs(
-        state, response.id, [engine_input], request, priority=chat.priority, cache_salt=chat.cache_salt
+        state,
+        response.id,
+        [engine_input],
+        request,
+        priority=chat.priority,
+        cache_salt=chat.cache_salt,
+        lora_request=lora,
     )
     finished = _Finisher(state, store if body.store else None, response, conversation)
     if body.stream:

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 from jpaged_server.errors import APIError
+from jpaged_server.lora_adapters import LoRAAdapters
 from jpaged_server.metrics import ServerMetrics
 from jpaged_server.request_fields import check_request_fields
 from pydantic import BaseModel
 
+from jpaged import LoRARequest
 from jpaged.engine.async_engine import AsyncLLMEngine
 
 if TYPE_CHECKING:
@@ -39,6 +41,10 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser
     strict_request_fields: bool = False  # --strict-request-fields: unknown request fields are a 400
     harmony: HarmonyChat | None = None  # gpt-oss's chat format, in place of the chat template and parsers
+    loras: LoRAAdapters = field(init=False)  # the adapters a request's `model` may name besides model_name
+
+    def __post_init__(self) -> None:
+        self.loras = LoRAAdapters(self.model_name)
 
     def check_fields(self, body: BaseModel) -> dict[str, str]:
         """request_fields.check_request_fields under this server's --strict-request-fields."""
@@ -48,11 +54,20 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"the model {model!r} does not exist; this server serves {self.model_name!r}", "model"
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names, None for the base model (or no name); else a 404."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            served = ", ".join(repr(name) for name in [self.model_name, *(a.lora_name for a in self.loras)])
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", "model")
+        return lora
+
+    def response_model(self, asked: str | None) -> str:
+        """The `model` a response reports: the name its (checked) request gave, an adapter's as vLLM reports it,
+        else the base model's."""
+        return asked or self.model_name
 
     def admit(self) -> None:
         """Refuse new generation work while shutting down, after the engine died, or past the waiting cap.
