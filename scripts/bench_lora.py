@@ -1,5 +1,5 @@
 """What serving LoRA adapters costs, same run, on the embedded SmolLM2-135M (bfloat16 activations, its GGUF blocks as
-stored): batch throughput of 64 sequences (64-token prompts, 32 tokens decoded each) with no adapter on an engine
+stored, or bfloat16 with --quantization none): batch throughput of 64 sequences (64-token prompts, 32 tokens decoded each) with no adapter on an engine
 without LoRA (the baseline), and spread over 4 rank-16 adapters (all seven matrices targeted) on a LoRA engine
 computing the deltas by the C++ matmul kernel (runner/lora_panels.py, the CPU's default: "panels") or by XLA in
 each of models/lora.py's forms (dense, gather, grouped); the base-only batch on the LoRA engine too (what enabling
@@ -10,7 +10,8 @@ host reading its PEFT-named arrays, and the write into its device slot (median o
 Adapters are random (A ~ N(0, 1/in), B ~ N(0, 0.02)), written in PEFT's format (adapter_config.json,
 adapter_model.safetensors).
 
-  python scripts/bench_lora.py [--rounds 3] [--forms panels,dense,gather,grouped]
+  python scripts/bench_lora.py [--rounds 3] [--forms panels,dense,gather,grouped] [--quantization none]
+  python scripts/bench_lora.py --shape llama-1b --forms panels    # random bfloat16 weights of Llama 3.2 1B's shape
 """
 
 from __future__ import annotations
@@ -73,23 +74,68 @@ def write_adapter(path: Path, tensors: dict[str, np.ndarray]) -> None:
     save_file(tensors, str(path / "adapter_model.safetensors"))
 
 
+def random_llama_1b():
+    """What builds an engine over random bfloat16 weights of Llama 3.2 1B's shape (the embedded model's vocabulary,
+    for its tokenizer): LoRA's cost beside a model whose layers outweigh the deltas' fixed costs."""
+    import functools
+
+    import jax
+    import ml_dtypes
+
+    from jpaged import LLM
+    from jpaged.models.config import ModelConfig
+    from jpaged.models.loader import load_model
+    from jpaged.models.params import random_params
+
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    params = jax.tree_util.tree_map(
+        lambda x: x.astype(ml_dtypes.bfloat16), random_params(config, dtype=np.float32)
+    )
+    tokenizer = load_model(None, progress=False).tokenizer
+    return functools.partial(LLM.from_params, params, config, tokenizer)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--forms", default="panels,dense,gather,grouped")
+    parser.add_argument(
+        "--quantization", default=None, help="none: the base model in bfloat16, not its Q4_1 blocks"
+    )
+    parser.add_argument("--shape", default="embedded", choices=["embedded", "llama-1b"])
     args = parser.parse_args()
     from jpaged import LLM, LoRARequest, SamplingParams
     from jpaged.models.lora import XlaLoRA
     from jpaged.pallas.cpu.library import cpu_flags
     from jpaged.runner import lora_stacks, model_runner
 
-    engine_args = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=SEQS, kv_cache_memory=2**30)
-    engines = {"no LoRA": LLM(**engine_args)}
+    engine_args = dict(
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=SEQS,
+        kv_cache_memory=2**30,
+        quantization=args.quantization,
+    )
+    build = LLM if args.shape == "embedded" else random_llama_1b()
+    engines = {"no LoRA": build(**engine_args)}
     for form in args.forms.split(","):  # the layout is chosen as the runner starts
         model_runner.lora_layout = (
             lora_stacks.lora_layout if form == "panels" else lambda *_, f=form: XlaLoRA(f)
         )
-        engines[form] = LLM(enable_lora=True, max_loras=ADAPTERS, max_lora_rank=RANK, **engine_args)
+        engines[form] = build(enable_lora=True, max_loras=ADAPTERS, max_lora_rank=RANK, **engine_args)
     config = engines["no LoRA"].engine.model_config
     root = Path(tempfile.mkdtemp(prefix="bench_lora_"))
     loras = []
@@ -114,7 +160,13 @@ def main() -> None:
             engines[engine].generate(prompts, params, use_tqdm=False, lora_request=lora)
             rates[name].append(SEQS * DECODED / (time.perf_counter() - start))
     flags = sorted(cpu_flags() & {"avx2", "avx512_bf16", "amx_bf16", "amx_int8"})
-    print(f"embedded SmolLM2-135M, bfloat16, {args.rounds} rounds in turns; CPU flags: {' '.join(flags)}")
+    weights = "bfloat16" if args.quantization == "none" else "Q4_1 blocks"
+    model = (
+        f"embedded SmolLM2-135M ({weights})"
+        if args.shape == "embedded"
+        else "Llama 3.2 1B's shape, random bfloat16"
+    )
+    print(f"{model}, {args.rounds} rounds in turns; CPU flags: {' '.join(flags)}")
     print(f"| run ({SEQS} sequences, {PROMPT}-token prompts, {DECODED} decoded) | tok/s | vs no LoRA |")
     print("|---|---|---|")
     base = statistics.median(rates["no LoRA"])

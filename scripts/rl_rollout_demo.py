@@ -7,8 +7,13 @@ default; the embedded model's tokenizer only stands in, as rollouts stay token i
 jpaged's own CausalLM (`models.llama.forward` merges it with the state dict optax updates) with a differentiable
 dense causal attention injected in place of the paged kernels.
 
+With --lora R the policy's weights stay frozen and only a rank-R LoRA adapter on all seven layer matrices trains
+(in the engine's own layout, models/lora_weights.adapter_from_layout: the training forward reads the same stacks the
+engine serves); `LLM.update_lora` swaps it into its device slot every step.
+
   python scripts/rl_rollout_demo.py                 # 20 steps, 4 prompts x 4 samples of 16 tokens
   python scripts/rl_rollout_demo.py --steps 2       # a quick check
+  python scripts/rl_rollout_demo.py --lora 8        # train a rank-8 adapter only
 """
 
 from __future__ import annotations
@@ -27,13 +32,16 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jpaged.entrypoints.llm import LLM  # noqa: E402
+from jpaged.lora_request import LoRARequest  # noqa: E402
 from jpaged.models.config import ModelConfig  # noqa: E402
 from jpaged.models.llama import StepBatch, forward, init_kv_cache  # noqa: E402
 from jpaged.models.loader import load_model  # noqa: E402
+from jpaged.models.lora_weights import lora_shapes  # noqa: E402
 from jpaged.models.params import random_params  # noqa: E402
 from jpaged.sampling_params import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
+POLICY = LoRARequest("policy", 1)  # --lora: the adapter being trained, given to the engine as arrays
 
 
 def policy_config(vocab_size: int) -> ModelConfig:
@@ -95,19 +103,39 @@ def training_batch(num_seqs: int, length: int, tokens: jax.Array) -> StepBatch:
     )
 
 
-def token_logprobs(params: dict, tokens: jax.Array, config: ModelConfig) -> jax.Array:
-    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) under the policy, [S, T - 1]."""
+def initial_adapter(config: ModelConfig, rank: int, seed: int) -> dict:
+    """A LoRA adapter in the engine's layout that changes nothing yet: A random, B zero (PEFT's initialisation)."""
+    rng = np.random.default_rng(seed)
+    return {
+        name: {
+            "a": jnp.asarray(rng.normal(0, fan_in**-0.5, (config.num_layers, fan_in, width)), jnp.float32),
+            "b": jnp.zeros((config.num_layers, width, fan_out), jnp.float32),
+        }
+        for name, (fan_in, width, fan_out) in lora_shapes(config, rank).items()
+    }
+
+
+def token_logprobs(
+    params: dict, tokens: jax.Array, config: ModelConfig, adapter: dict | None = None
+) -> jax.Array:
+    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) under the policy (through `adapter` where given), [S, T - 1]."""
     num_seqs, length = tokens.shape
     cache = init_kv_cache(config, 1 + num_seqs * -(-length // BLOCK_SIZE), BLOCK_SIZE, jnp.float32)
     batch = training_batch(num_seqs, length, tokens)
-    logits, _ = forward(params, cache, batch, config=config, attention=dense_attention)
+    lora = None
+    if adapter is not None:  # one slot, every token in it
+        lora = {name: {part: w[:, None] for part, w in pair.items()} for name, pair in adapter.items()}
+        batch = batch._replace(lora_slots=jnp.ones(num_seqs * length, jnp.int32))
+    logits, _ = forward(params, cache, batch, config=config, attention=dense_attention, lora=lora)
     logp = jax.nn.log_softmax(logits.reshape(num_seqs, length, -1)[:, :-1], axis=-1)
     return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-def policy_loss(params, tokens, output_mask, advantages, config):
-    """REINFORCE with the group baseline: -mean over generated tokens of advantage x log-probability."""
-    logp = token_logprobs(params, tokens, config)
+def policy_loss(trained, frozen, tokens, output_mask, advantages, config):
+    """REINFORCE with the group baseline: -mean over generated tokens of advantage x log-probability. `trained`:
+    the weights (`frozen` None), or the adapter over the `frozen` weights."""
+    params, adapter = (trained, None) if frozen is None else (frozen, trained)
+    logp = token_logprobs(params, tokens, config, adapter)
     return -jnp.sum(advantages[:, None] * logp * output_mask) / jnp.sum(output_mask)
 
 
@@ -126,6 +154,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--target-below", type=int, default=None, help="rewarded token ids (default V / 10)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora", type=int, default=0, help="train only a LoRA adapter of this rank")
     args = parser.parse_args()
 
     tokenizer = load_model(
@@ -146,14 +175,19 @@ def main() -> None:
         num_blocks=1 + rows * -(-length // BLOCK_SIZE),
         enforce_eager=True,  # compiles the few shapes the rollouts meet, on first use
         seed=args.seed,
+        **(dict(enable_lora=True, max_lora_rank=args.lora) if args.lora else {}),
     )
+    trained, frozen, lora_request = params, None, None
+    if args.lora:
+        trained, frozen, lora_request = initial_adapter(config, args.lora, args.seed), params, POLICY
+        llm.add_lora(POLICY, trained)
     rng = np.random.default_rng(args.seed)
     prompts = np.repeat(
         rng.integers(0, config.vocab_size, (args.prompts, args.prompt_len)), args.samples, axis=0
     )
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, detokenize=False)
     optimizer = optax.adam(args.learning_rate)
-    opt_state = optimizer.init(params)
+    opt_state = optimizer.init(trained)
     grad_fn = jax.jit(jax.value_and_grad(functools.partial(policy_loss, config=config)))
     output_mask = (jnp.arange(1, length) >= args.prompt_len).astype(jnp.float32)[None, :]
 
@@ -164,7 +198,7 @@ def main() -> None:
     print("|---|---|")
     for step in range(args.steps):
         start = time.perf_counter()
-        rollouts = llm.generate_arrays(prompts, sampling_params=sampling)
+        rollouts = llm.generate_arrays(prompts, sampling_params=sampling, lora_request=lora_request)
         generated = time.perf_counter()
         rewards = jnp.mean((rollouts.tokens < target).astype(jnp.float32), axis=1)
         groups = rewards.reshape(args.prompts, args.samples)
@@ -172,11 +206,14 @@ def main() -> None:
             (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-6)
         ).reshape(-1)
         tokens = jnp.concatenate([jnp.asarray(prompts, jnp.int32), rollouts.tokens], axis=1)
-        _, grads = grad_fn(params, tokens, output_mask, advantages)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        llm.update_weights(params)
-        jax.block_until_ready(params)
+        _, grads = grad_fn(trained, frozen, tokens, output_mask, advantages)
+        updates, opt_state = optimizer.update(grads, opt_state, trained)
+        trained = optax.apply_updates(trained, updates)
+        if args.lora:
+            llm.update_lora(POLICY.lora_name, trained)
+        else:
+            llm.update_weights(trained)
+        jax.block_until_ready(trained)
         generation += generated - start
         training += time.perf_counter() - generated
         if step == 0:

@@ -166,29 +166,36 @@ def test_bad_adapters_and_misuse_are_value_errors_naming_what_is_wrong(
 
 
 def test_the_step_reads_adapters_in_any_delta_form_alike():
-    """models/lora.py's three XLA forms of the per-token delta, and the C++ kernel's panels (runner/lora_panels.py,
-    W = 24 padded to 32 and written slot by slot), agree with a float64 numpy oracle."""
+    """models/lora.py's three XLA forms of the per-token delta, and the C++ kernel's (runner/lora_panels.py: a fused
+    matrix of three parts, W = 24 padded to 32), written slot by slot, agree with a float64 numpy oracle; so does a
+    step with no adapter (the kernel's skipped branch)."""
     import jax.numpy as jnp
 
     from jpaged.models.lora import LORA_METHODS, XlaLoRA
     from jpaged.runner.lora_panels import PanelLoRA
 
     rng = np.random.default_rng(0)
-    layers, num_slots, fan_in, width, fan_out = 2, 3, 24, 24, 40
-    a, b = (
-        rng.normal(size=(layers, num_slots, fan_in, width)),
-        rng.normal(size=(layers, num_slots, width, fan_out)),
-    )
+    layers, num_slots, fan_in, rank, sizes = 2, 3, 24, 8, (16, 8, 8)
+    width, fan_out = 3 * rank, sum(sizes)
+    a = rng.normal(size=(layers, num_slots, fan_in, width))
+    b = np.zeros(
+        (layers, num_slots, width, fan_out)
+    )  # block-diagonal by part, as models/lora_weights lays it
+    for p, start in enumerate(np.cumsum((0, *sizes))[:-1]):
+        block = rng.normal(size=(layers, num_slots, rank, sizes[p]))
+        b[..., p * rank : (p + 1) * rank, start : start + sizes[p]] = block
     x, slots = rng.normal(size=(11, fan_in)), np.array([0, 1, 2, 3, 3, 0, 2, 1, 1, 3, 0], np.int32)
-    layouts = [XlaLoRA(method) for method in LORA_METHODS] + [PanelLoRA(num_slots, (("o", width, fan_out),))]
+    layouts = [XlaLoRA(method) for method in LORA_METHODS] + [
+        PanelLoRA(num_slots, (("qkv", width, fan_out),))
+    ]
     for layout in layouts:
         shapes = layout.shapes(fan_in, width, fan_out, layers, num_slots)
         stacks = {
-            "o": {part: jnp.zeros(shape, jnp.float32) for part, shape in zip("ab", shapes, strict=True)}
+            "qkv": {part: jnp.zeros(shape, jnp.float32) for part, shape in zip("ab", shapes, strict=True)}
         }
         for row in range(num_slots):
             adapter = {
-                "o": {"a": jnp.asarray(a[:, row], jnp.float32), "b": jnp.asarray(b[:, row], jnp.float32)}
+                "qkv": {"a": jnp.asarray(a[:, row], jnp.float32), "b": jnp.asarray(b[:, row], jnp.float32)}
             }
             stacks = layout.write(stacks, jnp.int32(row), adapter)
         for layer in range(layers):
@@ -198,8 +205,12 @@ def test_the_step_reads_adapters_in_any_delta_form_alike():
                     for t, s in enumerate(slots)
                 ]
             )
-            stack = stacks["o"] if layout.whole_stacks else {k: v[layer] for k, v in stacks["o"].items()}
+            stack = stacks["qkv"] if layout.whole_stacks else {k: v[layer] for k, v in stacks["qkv"].items()}
             got = layout.delta(
-                "o", jnp.asarray(x, jnp.float32), stack, jnp.asarray(slots), jnp.int32(layer), 11
+                "qkv", jnp.asarray(x, jnp.float32), stack, jnp.asarray(slots), jnp.int32(layer), 11
             )
             np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4, err_msg=repr(layout))
+        none = layout.delta(
+            "qkv", jnp.asarray(x, jnp.float32), stack, jnp.zeros(11, jnp.int32), jnp.int32(0), 11
+        )
+        assert not np.asarray(none).any()

@@ -204,9 +204,10 @@ def test_after_a_deep_sleep_the_weights_come_back_through_update_weights(llm, ti
     assert token_lists(llm) == before
 
 
-def test_the_rl_rollout_demo_trains_while_jpaged_generates_and_compiles_nothing_after_its_first_step():
+@pytest.mark.parametrize("trained", [[], ["--lora", "4"]], ids=["weights", "lora adapter"])
+def test_the_rl_rollout_demo_trains_while_jpaged_generates_and_compiles_nothing_after_its_first_step(trained):
     root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "scripts/rl_rollout_demo.py", "--steps", "3"]
+    command = [sys.executable, "scripts/rl_rollout_demo.py", "--steps", "3", *trained]
     result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| 2 |" in result.stdout  # every step ran

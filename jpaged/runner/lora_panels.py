@@ -1,7 +1,10 @@
 """LoRA on the CPU through the C++ matmul kernel (pallas/cpu/matmul.py): XLA's CPU dots run the deltas' small
-products at a tenth of the kernel's speed (scripts/KERNELS.md), so the stacks are the kernel's panels and each delta
-is two kernel products over every slot at once (models/lora.py's dense form): x A_all [T, S x Wp], each token
-keeping its own slot's columns, times B_all [S x Wp, out].
+products at a tenth of the kernel's speed, so the stacks are the kernel's panels and each delta is two kernel
+products over every slot at once (models/lora.py's dense form): x A_all [T, S x Wp], each token keeping its own
+slot's columns, times B_all [S x Wp, out]. A step no token of which has an adapter skips both (a branch: CPU only).
+Measured against the alternatives (scripts/KERNELS.md): the C++ experts kernel, one slot an expert (punica's SGMV,
+no slot's work wasted), and B kept per fused part (none of the block-diagonal zeros) were both slower, their extra
+calls, sorts and concatenations costing more than the work they saved at these sizes.
 
   A  [L, S x Wp / 16, in, 16]   panels of [in, S x Wp]: slot s's W columns from column s x Wp, zero to Wp
   B  [L, ceil(out / 16), S x Wp, 16]   panels of [S x Wp, out]: slot s's W rows from row s x Wp
@@ -54,7 +57,11 @@ class PanelLoRA:
     def delta(self, name: str, x: jax.Array, stacks: dict, slots: jax.Array, layer, rows) -> jax.Array:
         width, fan_out = next((w, out) for n, w, out in self.widths if n == name)
         padded = self._padded(width)
-        xa = cpu_matmul.matmul(x, stacks["a"], self.num_slots * padded, layer=layer, rows=rows)
-        own = slots[:, None] == jnp.arange(1, self.num_slots + 1)[None, :]  # [T, S]
-        xa = jnp.where(jnp.repeat(own, padded, axis=1), xa, 0)
-        return cpu_matmul.matmul(xa, stacks["b"], fan_out, layer=layer, rows=rows)
+
+        def products() -> jax.Array:
+            xa = cpu_matmul.matmul(x, stacks["a"], self.num_slots * padded, layer=layer, rows=rows)
+            own = slots[:, None] == jnp.arange(1, self.num_slots + 1)[None, :]  # [T, S]
+            xa = jnp.where(jnp.repeat(own, padded, axis=1), xa, 0)
+            return cpu_matmul.matmul(xa, stacks["b"], fan_out, layer=layer, rows=rows)
+
+        return jax.lax.cond(jnp.any(slots > 0), products, lambda: jnp.zeros((x.shape[0], fan_out), x.dtype))
