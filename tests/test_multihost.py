@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from peft_adapters import make_adapter
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 # 64 blocks hold the 4 sequences of 128 tokens: the default pool (4 GiB a device, zero-filled under tensor
@@ -52,25 +53,39 @@ def model(tiny_model_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_process(model) -> dict:
+def adapters(model, tmp_path_factory) -> list[str]:
+    """Two LoRA adapters of the model, of different ranks and targets (their slots written on every process)."""
+    root = tmp_path_factory.mktemp("multihost_adapters")
+    made = [
+        make_adapter(Path(model), root, "all", rank=8, seed=1),
+        make_adapter(Path(model), root, "qv", rank=4, targets=("q_proj", "v_proj"), seed=2),
+    ]
+    return ["--lora", ",".join(str(adapter.path) for adapter in made)]
+
+
+@pytest.fixture(scope="module")
+def one_process(model, adapters) -> dict:
     result = subprocess.run(
-        [sys.executable, str(WORKER), model, "1"], capture_output=True, text=True, timeout=START_SECONDS
+        [sys.executable, str(WORKER), model, "1", *adapters],
+        capture_output=True,
+        text=True,
+        timeout=START_SECONDS,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return last_json_line(result.stdout)
 
 
-def test_two_processes_generate_as_one_and_hold_their_devices_shards(model, one_process):
+def test_two_processes_generate_as_one_and_hold_their_devices_shards(model, adapters, one_process):
     port = free_port()
     follower = subprocess.Popen(
-        [sys.executable, str(WORKER), model, "4"],
+        [sys.executable, str(WORKER), model, "4", *adapters],
         env=process_env(port, 1),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     leader = subprocess.run(
-        [sys.executable, str(WORKER), model, "4"],
+        [sys.executable, str(WORKER), model, "4", *adapters],
         env=process_env(port, 0),
         capture_output=True,
         text=True,
@@ -96,6 +111,8 @@ def test_two_processes_generate_as_one_and_hold_their_devices_shards(model, one_
     assert two["run"]["pool_bytes"][0] == 2 * one_process["run"]["pool_bytes"][0]
     assert any(op == "all-reduce" for op, _ in two["run"]["collectives"])
     assert two["run"]["placed as laid out"]  # each process cut its own devices' parts
+    # LoRA adapters mixed with the base model: each adapter's slot written on both processes' devices.
+    assert two["lora"]["tokens"] == one_process["lora"]["tokens"]
 
 
 @pytest.fixture(scope="module")
