@@ -40,6 +40,8 @@ def test_greedy_follows_transformers_in_chunks_and_from_a_cached_prefix(moe):
 
 def test_async_scheduling_and_preemption_keep_every_greedy_output(moe):
     model_dir, llm = moe
+    if model_dir.name not in ("qwen2_moe", "gpt_oss"):  # the shared expert; biases and sinks
+        pytest.skip("the loop's overlap and preemption do not depend on the family: two families check them")
     expected = tokens_of(generate_greedy(llm, PROMPTS, 12))
     overlapped = LLM(str(model_dir), **ARGS, async_scheduling=True)
     assert tokens_of(generate_greedy(overlapped, PROMPTS, 12)) == expected
