@@ -60,6 +60,38 @@ def test_four_adapters_mixed_with_the_base_model_follow_transformers_with_each_a
         assert tokens_of(group) != tokens_of(by_adapter[0]), f"{name} changed nothing"
 
 
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [
+        (
+            "phi3",
+            ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+        ),  # fused modules: one lora_A for their parts
+        (
+            "gemma2",
+            ("q_proj", "v_proj", "gate_proj", "down_proj"),
+        ),  # GELU: the unfused MLP, post-norms, soft caps
+        ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj")),  # attention only: experts take no adapter
+    ],
+)
+def test_other_families_adapters_follow_transformers_with_the_adapter_merged(
+    family, targets, tiny_model_dir, tmp_path
+):
+    base = tiny_model_dir(family)
+    adapter = make_adapter(base, tmp_path, family, rank=8, targets=targets, seed=7)
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=8, enforce_eager=True, **ENGINE)
+    lora = LoRARequest(family, 1, str(adapter.path))
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS[:2]] * 2,
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2),
+        use_tqdm=False,
+        lora_request=[lora, lora, None, None],
+    )
+    assert_follows_transformers(adapter.merged, outputs[:2], family, tolerance=1e-4)
+    assert_follows_transformers(base, outputs[2:], f"{family} base", tolerance=1e-4)
+    assert tokens_of(outputs[:2]) != tokens_of(outputs[2:])
+
+
 def test_adapters_load_unload_and_swap_slots_under_load_without_compiling_or_losing_a_request(llm, adapters):
     compiled = llm.metrics()["num_compilations"]
     engine = llm.engine
