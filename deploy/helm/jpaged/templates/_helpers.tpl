@@ -35,12 +35,20 @@ kueue.x-k8s.io/queue-name: {{ include "jpaged.queueName" . }}
 {{- end -}}
 
 {{/* A dict of values as `jpaged serve` flags: camelCase -> --kebab-case; true -> --x, false -> --no-x, null left
-out; whole numbers printed as integers (YAML numbers reach templates as float64). */}}
+out; a list -> the flag then each item; whole numbers printed as integers (YAML numbers reach templates as
+float64). */}}
 {{- define "jpaged.flags" -}}
 {{- range $key, $value := . }}
 {{- $flag := kebabcase $key }}
 {{- if kindIs "bool" $value }}
 - {{ printf "--%s%s" (ternary "" "no-" $value) $flag | quote }}
+{{- else if kindIs "slice" $value }}
+{{- if $value }}
+- {{ printf "--%s" $flag | quote }}
+{{- range $value }}
+- {{ . | toString | quote }}
+{{- end }}
+{{- end }}
 {{- else if not (kindIs "invalid" $value) }}
 - {{ printf "--%s" $flag | quote }}
 {{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}
