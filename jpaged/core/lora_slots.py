@@ -30,7 +30,7 @@ class LoRASlots:
     @property
     def num_in_use(self) -> int:
         """Slots that running (or swapped-out) sequences hold."""
-        return sum(1 for count in self._users.values() if count)
+        return len(self._users)  # an adapter no sequence holds leaves _users
 
     @property
     def num_resident(self) -> int:

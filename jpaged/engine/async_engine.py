@@ -90,9 +90,13 @@ class AsyncLLMEngine:
 
         def add() -> None:
             with self._lock:
-                options = {} if lora_request is None else {"lora_request": lora_request}
                 self.engine.add_request(
-                    request_id, prompt, params, priority=priority, cache_salt=cache_salt, **options
+                    request_id,
+                    prompt,
+                    params,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    lora_request=lora_request,
                 )
                 self._streams[request_id] = (loop, queue)
 

@@ -20,6 +20,7 @@ from jpaged.config import EngineConfig
 from jpaged.core.pooling import PooledPrompt
 from jpaged.core.sequence import Request
 from jpaged.engine.llm_engine import LLMEngine
+from jpaged.lora_request import LoRARequest
 from jpaged.models.loader import LoadedModel
 from jpaged.models.sentence_transformers_config import PoolerConfig, pooler_config_for
 from jpaged.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
@@ -68,10 +69,15 @@ class PoolingEngine(LLMEngine):
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Queue a pooling request (a str is tokenised with the tokenizer's special tokens, as vLLM's embedding
-        requests are). ValueError for sampling params: this engine serves embeddings only."""
+        requests are). ValueError for sampling params or an adapter: this engine serves embeddings only."""
         del cache_salt  # no prefix caching here
+        if lora_request is not None:
+            raise ValueError(
+                "lora_request: a pooling model serves no LoRA adapters (enable_lora is generation's)"
+            )
         params = params or PoolingParams()
         if not isinstance(params, PoolingParams):
             raise ValueError(

@@ -227,8 +227,9 @@ class LLM:
         try:
             for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts), strict=True):
                 ids.append(f"offline-{next(self._ids)}")
-                options = {} if lora is None else {"lora_request": lora}
-                self.engine.add_request(ids[-1], prompt.prompt, p, cache_salt=prompt.cache_salt, **options)
+                self.engine.add_request(
+                    ids[-1], prompt.prompt, p, cache_salt=prompt.cache_salt, lora_request=lora
+                )
             return self._run(ids, use_tqdm)
         except BaseException:
             for request_id in ids:  # a bad prompt or an interrupt must not leave requests holding blocks

@@ -298,8 +298,9 @@ class CausalLM(nnx.Module):
         lora_deltas: XlaLoRA = XLA_LORA,
     ) -> tuple[jax.Array, KVCache]:
         """The last layer's output for every token [T, D] (before the final norm), the updated cache, and how many
-        of the step's tokens each layer's experts took [L, E] (a mixture of experts'; [L, 0] for a dense model). `lora`: the adapter stacks
-        as `lora_deltas` reads them: models/lora.py), each token's slot in batch.lora_slots."""
+        of the step's tokens each layer's experts took [L, E] (a mixture of experts'; [L, 0] for a dense model).
+        `lora`: the adapter stacks as `lora_deltas` reads them (models/lora.py), each token's slot in
+        batch.lora_slots."""
         c = self.config
         dtype = self.final_norm.weight[...].dtype
         block_size = kv_cache.k.shape[2]

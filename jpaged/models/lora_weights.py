@@ -46,12 +46,7 @@ UNSUPPORTED_FIELDS = (
     "target_parameters",
 )
 # safetensors' dtype names for the float types adapters are saved in (numpy itself has no bfloat16).
-SAFETENSORS_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-}
+FLOAT_DTYPES = frozenset(np.dtype(t) for t in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16))
 _LORA_WEIGHT = re.compile(r"lora_(?P<side>[AB])(\.default)?\.weight")
 
 
@@ -287,15 +282,12 @@ def _float32(tensor: Any) -> np.ndarray:
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as numpy, bfloat16 included (safetensors' numpy reader has none)."""
-    import safetensors
+    """Every tensor of a safetensors file as numpy (memory-mapped; bfloat16 as ml_dtypes'), floats only."""
+    from safetensors import safe_open
 
-    tensors = {}
-    for name, info in safetensors.deserialize(path.read_bytes()):
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(
-                f"{path}: tensor {name!r} has dtype {info['dtype']}; LoRA weights must be floats"
-            )
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        tensors[name] = np.frombuffer(info["data"], dtype).reshape(info["shape"])
+    with safe_open(str(path), framework="numpy") as file:
+        tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
+    for name, tensor in tensors.items():
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {tensor.dtype}; LoRA weights must be floats")
     return tensors

@@ -77,7 +77,7 @@ class LeaderRunner:
     def copy_blocks(self, copies):
         return self._both("copy_blocks", copies)
 
-    def write_lora(self, slot: int, weights: dict | None) -> None:
+    def write_lora(self, slot: int, weights: dict) -> None:
         self._both("write_lora", slot, weights)
 
     def warmup(self, progress: bool = True) -> float:

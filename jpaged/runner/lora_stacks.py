@@ -18,8 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jpaged.config import EngineConfig
 from jpaged.models.config import ModelConfig
 from jpaged.models.lora import XlaLoRA
-from jpaged.models.lora_weights import lora_shapes
-from jpaged.models.products import MatrixProducts
+from jpaged.models.products import LAYER_MATRICES, MatrixProducts
 from jpaged.runner.lora_panels import PanelLoRA
 from jpaged.runner.tensor_parallel import AXIS
 from jpaged.runner.weight_layout import PanelProducts
@@ -45,25 +44,19 @@ def lora_layout(
 def lora_stacks(
     config: EngineConfig,
     loaded_config: ModelConfig,
+    shapes: dict[str, tuple[int, int, int]],
     dtype,
     mesh: Mesh | None,
     weights: WeightPlacement,
     layout: XlaLoRA | PanelLoRA,
 ) -> LoRAStacks:
-    """The engine's adapter slots for this model, in `layout`, B's columns where the step's layout puts the base
-    matrix's."""
-    shapes = lora_shapes(loaded_config, config.max_lora_rank)
+    """The engine's adapter slots for this model (`shapes`: models/lora_weights.lora_shapes), in `layout`, B's
+    columns where the step's layout puts the base matrix's."""
     columns = {}
     if mesh is not None:  # KV heads repeated, fused columns grouped per shard: as the base matrices'
-        fused = {"qkv": ("attn", "qkv"), "gate_up": ("mlp", "gate_up")}
-        indices: dict = {"layers": {}}
-        for name, (parent, leaf) in fused.items():
-            if name in shapes:
-                indices["layers"].setdefault(parent, {})[leaf] = np.arange(shapes[name][2])
-        laid_out = weights.arrange(indices)["layers"]
-        for name, (parent, leaf) in fused.items():
-            if name in shapes:
-                columns[name] = np.asarray(laid_out[parent][leaf])
+        paths = {name: LAYER_MATRICES[name] for name in ("qkv", "gate_up") if name in shapes}
+        sources = weights.column_sources({path: shapes[name][2] for name, path in paths.items()})
+        columns = {name: sources[path] for name, path in paths.items()}
     return LoRAStacks(shapes, loaded_config.num_layers, config.max_loras, dtype, columns, mesh, layout)
 
 
@@ -145,19 +138,22 @@ class LoRAStacks:
             for name, pair in self.slot_shapes.items()
         }
 
-    def write(self, slot: int, weights: dict | None) -> None:
+    def write(self, slot: int, weights: dict) -> None:
         """Slot `slot` (1..max_loras) set to an adapter's weights (models/lora_weights: name -> {"a": [L, in, W],
-        "b": [L, W, out]} in the loaders' column order), or cleared (None). In place; compiles nothing."""
+        "b": [L, W, out]} in the loaders' column order, every matrix the stacks hold). In place; compiles
+        nothing."""
         if self._write is None:
             raise RuntimeError("write() needs compile_writer() first")
         if not 1 <= slot <= self.max_loras:
             raise ValueError(f"slot must be in 1..{self.max_loras}, got {slot}")
-        adapter = self._host_zeros()
-        for name, pair in (weights or {}).items():
-            adapter[name]["a"] = np.asarray(pair["a"], np.float32)
+        adapter = {}
+        for name, pair in weights.items():
             source = self.columns.get(name)
             b = np.asarray(pair["b"], np.float32)
-            adapter[name]["b"] = b if source is None else b[..., source]
+            adapter[name] = {
+                "a": np.asarray(pair["a"], np.float32),
+                "b": b if source is None else b[..., source],
+            }
         if self._adapter_shardings is not None:
             adapter = jax.device_put(adapter, self._adapter_shardings)
         self.stacks = self._write(self.stacks, np.int32(slot - 1), adapter)

@@ -163,7 +163,7 @@ class ModelRunner:
             shapes = lora_shapes(loaded_config, config.max_lora_rank)
             self.lora_deltas = lora_layout(products, shapes, config.max_loras, jax.default_backend())
             self.lora = lora_stacks(
-                config, loaded_config, self.dtype, self.mesh, self.weights, self.lora_deltas
+                config, loaded_config, shapes, self.dtype, self.mesh, self.weights, self.lora_deltas
             )
         step = self.bind_step(attention)
         inputs = ProgramInputs.of(
@@ -408,7 +408,7 @@ class ModelRunner:
         self._host_params = None
         self.kv_cache = self._allocate_kv_cache()
 
-    def write_lora(self, slot: int, weights: dict | None) -> None:
+    def write_lora(self, slot: int, weights: dict) -> None:
         """Adapter slot `slot` set to these weights (lora_stacks.LoRAStacks.write), before the step that reads it."""
         self.lora.write(slot, weights)
 

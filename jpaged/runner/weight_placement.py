@@ -98,19 +98,21 @@ class WeightPlacement:
         read = jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, LazyWeight) else x, params)
         return self.to_device(self.layout(read))
 
-    def _fused_columns(self, params: dict) -> dict[str, np.ndarray]:
-        """For each fused leaf (by key path) whose columns the layout moves, the loaders' column each of its
-        step-layout columns comes from: the layout applied to the columns' indices."""
-        fused = fused_leaves(params["layers"])
+    def column_sources(self, widths: dict[tuple[str, str], int]) -> dict[tuple[str, str], np.ndarray]:
+        """For fused leaves (their path in a DecoderLayer -> their width as loaded), the loaders' column each of
+        their step-layout columns comes from: the layout applied to the columns' indices."""
         indices: dict = {"layers": {}}
-        for parent, name in fused:
-            indices["layers"].setdefault(parent, {})[name] = np.arange(
-                params["layers"][parent][name].shape[-1]
-            )
+        for (parent, name), width in widths.items():
+            indices["layers"].setdefault(parent, {})[name] = np.arange(width)
         laid_out = self.arrange(indices)["layers"]
-        columns = {}
-        for parent, name in fused:
-            source = np.asarray(laid_out[parent][name])
-            if not np.array_equal(source, indices["layers"][parent][name]):  # moved (not whole experts)
-                columns[f"['layers']['{parent}']['{name}']"] = source
-        return columns
+        return {(parent, name): np.asarray(laid_out[parent][name]) for parent, name in widths}
+
+    def _fused_columns(self, params: dict) -> dict[str, np.ndarray]:
+        """column_sources of each fused leaf (by key path) whose columns the layout moves."""
+        layers = params["layers"]
+        widths = {(parent, name): layers[parent][name].shape[-1] for parent, name in fused_leaves(layers)}
+        return {
+            f"['layers']['{parent}']['{name}']": source
+            for (parent, name), source in self.column_sources(widths).items()
+            if not np.array_equal(source, np.arange(widths[parent, name]))  # moved (not whole experts)
+        }
