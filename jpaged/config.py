@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -25,6 +27,83 @@ NO_QUANTIZATION = "none"
 # bytes of bfloat16 a token.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 CONVERTS = ("auto", "none", "embed")
+# vLLM's speculative_config methods that jpaged runs: proposals from the sequence's own tokens (n-gram prompt lookup),
+# or from a suffix tree over them and recently finished requests (core/suffix_proposer.py).
+SPECULATIVE_METHODS = ("ngram", "suffix")
+# Named by vLLM, not run here yet: refused by name rather than ignored.
+UNSUPPORTED_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config: each decode step verifies `num_speculative_tokens` proposed tokens per sequence
+    in one forward (k per engine: the step shapes stay those warm-up compiled). Keys as vLLM spells them."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None  # ngram: shortest n-gram looked up (vLLM: defaults to the max, or 5)
+    prompt_lookup_max: int | None = None
+    # Speculation steps aside while this many sequences run (vLLM's disable_by_batch_size); None: never.
+    disable_by_batch_size: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method in UNSUPPORTED_SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported yet; use one of {SPECULATIVE_METHODS}"
+            )
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        _positive(self, "num_speculative_tokens", "suffix_decoding_max_tree_depth")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method == "ngram":  # vLLM's defaults: the one given for both, else 5
+            low, high = low or high or 5, high or low or 5
+            object.__setattr__(self, "prompt_lookup_min", low)
+            object.__setattr__(self, "prompt_lookup_max", high)
+            _positive(self, "prompt_lookup_min", "prompt_lookup_max")
+            if low > high:
+                raise ValueError(f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        if self.disable_by_batch_size is not None:
+            _positive(self, "disable_by_batch_size")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError(
+                f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob}"
+            )
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError(
+                f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor}"
+            )
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping | str) -> SpeculativeConfig:
+        """From a dict or its JSON (the CLI's --speculative-config): unknown keys are refused by name. A `model`
+        key without a method means a draft model, as in vLLM."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict or its JSON, got {type(value).__name__}")
+        values = dict(value)
+        if "model" in values:
+            method = values.setdefault("method", "draft_model")
+            raise ValueError(f"speculative_config method {method!r} (a draft model) is not supported yet")
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; jpaged takes {sorted(known)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in values:
+                raise ValueError(f"speculative_config needs {key!r}")
+        return cls(**values)
 
 
 @dataclasses.dataclass
@@ -65,8 +144,12 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's speculative_config (a dict, its JSON, or a SpeculativeConfig): held as a SpeculativeConfig.
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         _positive(self, "block_size", "tensor_parallel_size", "max_loras", "max_lora_rank")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
@@ -101,6 +184,8 @@ class EngineConfig:
             _one_of(self, "quantization", (*QUANTIZATIONS, NO_QUANTIZATION))
         if self.enable_lora and self.is_pooling:
             raise ValueError("enable_lora serves adapters for generation: a pooling model takes none")
+        if self.speculative_config is not None and self.is_pooling:
+            raise ValueError("speculative_config speeds up generation: a pooling model generates nothing")
         if self.runner == "generate" and self.convert == "embed":
             raise ValueError("convert 'embed' makes a pooling model: it needs runner 'pooling' (or 'auto')")
         if self.runner == "pooling" and self.convert == "none":
@@ -148,7 +233,7 @@ class EngineConfig:
             raise ValueError(f"{name} must be at most max_num_seqs ({self.max_num_seqs}): {why}, got {value}")
 
 
-def _positive(config: EngineConfig, *names: str) -> None:
+def _positive(config: EngineConfig | SpeculativeConfig, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
         if not isinstance(value, int) or value < 1:

@@ -9,7 +9,7 @@ With --quantization, one device multiplies by XLA's dots as the split devices do
 XLA's by their own tests; a W8A8 model's activation quantisation turns the last bit of a sum into a step), so what
 the sizes' runs differ by is the split alone.
   python tests/tensor_parallel_worker.py --engine-features MODEL_PATH TP [TP ...]   # prefix caching,
-                                                              # preemption (both modes), n > 1, beam search
+                                      # preemption (both modes), n > 1, beam search, speculative decoding
   python tests/tensor_parallel_worker.py --enable-expert-parallel [--all-to-all] [--warm] MODEL_PATH TP [TP ...]
       # a mixture of experts' experts split whole over the devices; --all-to-all: every step's tokens moved in
       # the all-to-all form (else the default's); --warm: warm-up first, then sampled routing compiles nothing
@@ -231,6 +231,16 @@ def engine_features(model: str, tp: int, modes: tuple[str, ...] = ("recompute", 
     ]
     beams = llm.beam_search(prompts[:2], beam_width=3, max_tokens=6, ignore_eos=True)
     results["beam search"] = [[c.token_ids for c in o.outputs] for o in beams]
+    # n-gram speculation, its text held to ten tokens so that it repeats and proposals are accepted (two
+    # sequences: max_num_seqs 4 leaves rows for proposals)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    speculating = LLM(model, num_blocks=40, enforce_eager=True, speculative_config=spec, **engine_args)
+    repeats = SamplingParams(max_tokens=24, temperature=0.0, allowed_token_ids=list(range(200, 210)))
+    results["speculative"] = [
+        [o.outputs[0].token_ids for o in engine.generate(prompts[:2], repeats, use_tqdm=False)]
+        for engine in (speculating, llm)
+    ]
+    results["accepted"] = speculating.engine.spec_decode_stats().num_accepted_tokens
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for mode in modes:  # 4 x 6 blocks wanted, 14 held: preemption
         small = LLM(

@@ -111,7 +111,9 @@ def test_matrices_quantized_on_the_devices_split_two_ways_generate_as_one_device
     assert "QuantizedMatrix" in runs["2"]["held"]
 
 
-def test_prefix_caching_preemption_parallel_samples_and_beams_work_unchanged_on_two_devices(tiny_llama_dir):
+def test_prefix_caching_preemption_parallel_samples_beams_and_speculation_work_unchanged_on_two_devices(
+    tiny_llama_dir,
+):
     runs = generate(str(tiny_llama_dir), 1, 2, features=True)
     assert runs["2"] == runs["1"]
     one = runs["1"]
@@ -119,6 +121,8 @@ def test_prefix_caching_preemption_parallel_samples_and_beams_work_unchanged_on_
     assert one["preemptions recompute"] > 0 and one["preemptions swap"] > 0
     assert one["preemption recompute"] == one["preemption swap"]
     assert [tokens[:8] for tokens in one["preemption swap"]] == one["prefix caching"][0]  # greedy, 8 of 40
+    speculated, plain = one["speculative"]
+    assert speculated == plain and one["accepted"] > 0
 
 
 def test_lora_adapters_mixed_with_the_base_model_on_two_devices_generate_as_one(tiny_llama_dir, tmp_path):

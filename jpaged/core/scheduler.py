@@ -87,6 +87,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         running, allocate_slots = self.running, self.blocks.allocate_slots
         scheduled_seqs, scheduled_counts = out.seqs, out.num_new_tokens
+        num_drafts = 0  # proposed tokens scheduled: each is a sampled row, as a sequence's next token is
         i = 0
         while i < len(running) and budget > 0:  # the hot loop (every running sequence, every step): kept lean
             seq = running[i]
@@ -95,9 +96,20 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             num_new = seq.num_tokens - computed
+            if seq.draft_token_ids:  # a decode with proposals verifies them too, where the budget has room
+                if num_new + len(seq.draft_token_ids) <= budget:
+                    num_new += len(seq.draft_token_ids)
+                    num_drafts += len(seq.draft_token_ids)
+                else:
+                    seq.draft_token_ids = []
             if num_new > budget:
                 num_new = budget
             while not allocate_slots(seq.seq_id, computed, num_new):
+                if seq.draft_token_ids:  # its proposals give way before anyone is preempted
+                    num_new -= len(seq.draft_token_ids)
+                    num_drafts -= len(seq.draft_token_ids)
+                    seq.draft_token_ids = []
+                    continue
                 victim = running.pop()
                 self._preempt(victim, out)
                 if victim is seq:
@@ -108,7 +120,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         if not out.preempted and (self.swapped or self.waiting):
-            slots = self.config.max_num_seqs - sum(s.fan_out for s in running)
+            slots = self.config.max_num_seqs - sum(s.fan_out for s in running) - num_drafts
             budget, slots = self._schedule_swapped(out, budget, slots)
             self._schedule_waiting(out, budget, slots)
         out.copies = self.blocks.take_pending_copies()
@@ -162,6 +174,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(no_slot))
 
     def _preempt(self, seq: SequenceState, out: SchedulerOutput) -> None:
+        seq.draft_token_ids = []
         swap = self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq.seq_id)
         if swap:
             out.swap_out.extend(self.blocks.swap_out(seq.seq_id))

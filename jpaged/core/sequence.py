@@ -83,6 +83,12 @@ class SequenceState:
     holds_lora: bool = False  # whether it holds its adapter's device slot (core/lora_slots.py)
     max_num_tokens: int = 2**62  # where it ends for length (max_tokens, max_model_len), set by the engine
     grammar: Any = None  # structured outputs: its jpaged.structured.GrammarMatcher, set once it compiled
+    # Speculative decoding: the tokens proposed to follow its last one, verified by the step that schedules them
+    # (the scheduler drops them where the step has no room), and how proposals for it have fared (a running
+    # acceptance rate; while it is low, `draft_pause` steps pass before the next proposal).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_acceptance: float = 1.0
+    draft_pause: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from jpaged.engine.engine_metrics import ExpertLoad
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.engine.lora_adapters import LoRAStats
 from jpaged.engine.pooling_engine import engine_for
+from jpaged.engine.speculation import SpecDecodeStats
 from jpaged.lora_request import LoRARequest
 from jpaged.outputs import RequestOutput
 from jpaged.pooling_params import EmbeddingRequestOutput, PoolingParams
@@ -142,6 +143,10 @@ class AsyncLLMEngine:
     def expert_load(self) -> ExpertLoad | None:
         with self._lock:
             return self.engine.expert_load()
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        with self._lock:
+            return self.engine.spec_decode_stats()
 
     # LoRA adapters (LLMEngine's): add_lora reads the adapter's files, so call it from a thread.
     def add_lora(self, lora_request: LoRARequest) -> bool:

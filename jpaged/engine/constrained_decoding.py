@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jpaged.core.sequence import Request, SequenceState
+from jpaged.engine.scheduled_step import SampledRows
 
 if TYPE_CHECKING:
     from jpaged.sampling_params import StructuredOutputsParams
@@ -74,10 +75,12 @@ class ConstrainedDecoding:
         if futures:
             concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def bitmasks(self, row_seqs: Sequence[SequenceState]) -> list[np.ndarray | None]:
-        """Each row's allowed tokens now (int32 words; None for an unconstrained row), filled in parallel."""
+    def bitmasks(self, rows: SampledRows) -> list[np.ndarray | None]:
+        """Each row's allowed tokens now (int32 words; None for an unconstrained row), filled in parallel. A row
+        after proposed tokens gets its grammar's mask after them (each taken, then rolled back)."""
         from jpaged.structured import allocate_bitmask, fill_bitmasks
 
+        row_seqs = rows.seqs
         first_row: dict[int, int] = {}  # a sequence's first row: the rows of its n samples share its matcher
         for i, seq in enumerate(row_seqs):
             if seq.grammar is not None:
@@ -87,8 +90,32 @@ class ConstrainedDecoding:
         start = time.perf_counter()
         masks = allocate_bitmask(len(row_seqs), self.vocab_size)
         fill_bitmasks([(row_seqs[i].grammar, i) for i in first_row.values()], masks)
+        positions = rows.draft_positions
+        if positions is not None:
+            for i in first_row.values():
+                _fill_after_proposals(row_seqs[i], masks[i : i + len(row_seqs[i].draft_token_ids) + 1])
         self.fill_seconds += time.perf_counter() - start
-        return [masks[first_row[id(seq)]] if seq.grammar is not None else None for seq in row_seqs]
+        return [
+            masks[first_row[id(seq)] + (positions[row] if positions else 0)]
+            if seq.grammar is not None
+            else None
+            for row, seq in enumerate(row_seqs)
+        ]
+
+
+def _fill_after_proposals(seq: SequenceState, masks: np.ndarray) -> None:
+    """masks[j] for the rows after the sequence's first j proposals (masks[0] is filled): its grammar takes them
+    in turn and is rolled back. Past a proposal the grammar refuses, the rows keep the mask before it: the target
+    cannot draw that proposal there, so it is rejected and the rows after it go unread."""
+    grammar, taken = seq.grammar, 0
+    for j, token in enumerate(seq.draft_token_ids, start=1):
+        allowed = (masks[j - 1][token >> 5] >> (token & 31)) & 1
+        if taken == j - 1 and allowed and grammar.accept_token(token):
+            taken = j
+            grammar.fill_bitmask(masks[j])
+        else:
+            masks[j] = masks[j - 1]
+    grammar.rollback(taken)
 
 
 def advance(seq: SequenceState, token: int) -> bool:

@@ -28,7 +28,8 @@ from jpaged.engine.engine_metrics import ExpertLoad, TokenCounts, engine_metrics
 from jpaged.engine.lora_adapters import LoRAAdapters, LoRAStats
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.request_checks import RequestChecks
-from jpaged.engine.scheduled_step import InFlightStep, ScheduledStep, scheduled_step
+from jpaged.engine.scheduled_step import InFlightStep, SampledRows, ScheduledStep, scheduled_step
+from jpaged.engine.speculation import SpecDecodeStats, Speculation
 from jpaged.engine.startup import for_this_platform, size_kv_cache
 from jpaged.engine.step_sampling import StepSampling, describe_sampling, sample_seed_for
 from jpaged.lora_request import LoRARequest
@@ -99,6 +100,9 @@ class LLMEngine:
         self.constrained = ConstrainedDecoding(self.tokenizer, mc.vocab_size, mc.eos_token_ids or ())
         self.sampling = StepSampling(
             self.runner.sampling_tensors, (mc.eos_token_ids or (None,))[0], self.constrained.bitmasks
+        )
+        self.speculation = (
+            Speculation(config.speculative_config, config) if config.speculative_config else None
         )
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
@@ -212,6 +216,8 @@ class LLMEngine:
         for seq in request.seqs:
             self.outputs.abort(seq)
             self.scheduler.finish(seq)
+            if self.speculation is not None:
+                self.speculation.finished(seq, aborted=True)
         if not self.requests and self._in_flight is not None:  # idle now: what runs is for nobody
             self._held += self._complete(self._take_in_flight())
         if request.beam is not None:
@@ -289,6 +295,8 @@ class LLMEngine:
         as every step is without async scheduling."""
         self._admit_constrained()
         outputs, self._held = self._held, []
+        if self._in_flight is not None and self._speculates():
+            outputs += self._complete(self._take_in_flight())  # proposals follow a sequence's latest token
         scheduled = self._schedule()
         launched = None if scheduled is None else self._launch(scheduled)
         if self._in_flight is not None:
@@ -315,12 +323,17 @@ class LLMEngine:
             logger.warning("request %s: structured outputs: %s", request.request_id, error)
             self._held.append(self.abort_request(request.request_id))
 
+    def _speculates(self) -> bool:
+        return self.speculation is not None and self.speculation.active(self.scheduler.running)
+
     def _take_in_flight(self) -> InFlightStep:
         step, self._in_flight = self._in_flight, None
         return step
 
     def _schedule(self) -> ScheduledStep | None:
         """The scheduler's plan for this step, with its swaps done; None when it runs no sequence."""
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         self.runner.swap(plan.swap_out, plan.swap_in)
         seqs, num_new_tokens = plan.seqs, plan.num_new_tokens
@@ -350,12 +363,13 @@ class LLMEngine:
             seq.num_computed_tokens += num_new
         fans_out = False
         for row, seq in enumerate(rows.seqs):
-            if row and rows.seqs[row - 1] is seq:
+            if rows.forks(row):
                 fans_out = True  # forks when its tokens come back
-            elif seq.request.beam is None:
+            elif seq.request.beam is None and not seq.draft_token_ids:
                 seq.num_pending += 1
                 seq.pending_row = row
-        needs_results = fans_out or not rows.all_static or bool(self.beams.active)
+        verifies = rows.draft_positions is not None  # how many tokens it keeps is known once they are back
+        needs_results = fans_out or verifies or not rows.all_static or bool(self.beams.active)
         return InFlightStep(scheduled, prepared, pending, needs_results)
 
     def _complete(self, step: InFlightStep) -> list[RequestOutput]:
@@ -368,6 +382,9 @@ class LLMEngine:
         scheduled = step.scheduled
         seqs, num_new_tokens = scheduled.seqs, scheduled.num_new_tokens
         computed = scheduled.schedule.num_computed
+        rows, sampled = scheduled.rows, output.sampled
+        if rows.draft_positions is not None:
+            rows, sampled = self.speculation.accept(rows, sampled)  # drops each sequence's rejected tokens
         for i in scheduled.prompt_logprob_seqs:
             seq, start = seqs[i], int(step.prepared.batch.query_start[i])
             self.outputs.record_prompt_logprobs(
@@ -376,24 +393,25 @@ class LLMEngine:
         block_size = self.config.block_size
         running = SequenceStatus.RUNNING
         for seq, before, num_new in zip(seqs, computed, num_new_tokens, strict=True):
-            after = before + num_new
+            after, token_ids = before + num_new, seq.token_ids
+            if seq.draft_token_ids:  # verified (a step run alone): its computed tokens less the rejected ones
+                after, token_ids = seq.num_computed_tokens, token_ids + seq.draft_token_ids
+                seq.draft_token_ids = []
             # a block filled up: make it hittable (unless the sequence let its blocks go while the step ran)
             if after // block_size != before // block_size and seq.status is running:
-                self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids, after, seq.request.cache_salt)
-        return self._append_samples(scheduled.rows.seqs, output.sampled, now)
+                self.blocks.cache_full_blocks(seq.seq_id, token_ids, after, seq.request.cache_salt)
+        return self._append_samples(rows, sampled, now)
 
-    def _append_samples(
-        self, row_seqs: list[SequenceState], result: SamplerOutput, now: float
-    ) -> list[RequestOutput]:
+    def _append_samples(self, rows: SampledRows, result: SamplerOutput, now: float) -> list[RequestOutput]:
         """Give each sampled row's token to its sequence, or to its beam search; returns the outputs due (every
         advanced request's but FINAL_ONLY ones and beam searches, which report once, when done) and forgets
         the requests that finished. Rows of sequences that ended while the step ran are dropped."""
-        targets = row_seqs
-        if any(row and row_seqs[row - 1] is seq for row, seq in enumerate(row_seqs)):
+        targets = row_seqs = rows.seqs
+        if any(rows.forks(row) for row in range(1, len(row_seqs))):
             # parallel samples fork from the row before theirs, before any token of this step lands
             targets = [
                 self._fork(seq)
-                if seq.request.beam is None and seq.finish_reason is None and row and row_seqs[row - 1] is seq
+                if seq.request.beam is None and seq.finish_reason is None and rows.forks(row)
                 else seq
                 for row, seq in enumerate(row_seqs)
             ]
@@ -410,6 +428,8 @@ class LLMEngine:
         ended: dict[str, Request] = {}
         for seq in self.outputs.append_tokens(targets, result.token_ids.tolist(), now, result):
             self.scheduler.finish(seq)
+            if self.speculation is not None:
+                self.speculation.finished(seq)
             ended[seq.request.request_id] = seq.request
         if self.beams.active:
             ended.update(self.beams.advance(targets, result, now))
@@ -457,8 +477,20 @@ class LLMEngine:
     # ---- observability ----
 
     def metrics(self) -> dict[str, float]:
-        """Queue sizes, KV usage, token and prefix-cache counters, compilations (see engine_metrics)."""
-        return engine_metrics(self.blocks, self.scheduler, self.counters, self.runner.num_compilations)
+        """Queue sizes, KV usage, token and prefix-cache counters, compilations (see engine_metrics), and with
+        speculative_config, vLLM's spec_decode counters."""
+        values = engine_metrics(self.blocks, self.scheduler, self.counters, self.runner.num_compilations)
+        if self.speculation is not None:
+            values.update(self.speculation.stats.counters())
+        return values
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters so far (a copy; None without speculative_config)."""
+        if self.speculation is None:
+            return None
+        return dataclasses.replace(
+            self.speculation.stats, accepted_per_position=list(self.speculation.stats.accepted_per_position)
+        )
 
     def expert_load(self) -> ExpertLoad | None:
         """A mixture of experts' load histogram so far (a copy; None for a dense model): how many of a step's

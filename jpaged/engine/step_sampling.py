@@ -55,13 +55,23 @@ def describe_sampling(request: Request, tokenizer) -> None:
     request.plain_greedy = request.static_sampling and is_plain_greedy(params)
 
 
-def _row_seeds(row_seqs: list[SequenceState]) -> list[int]:
+def _row_seeds(rows: SampledRows) -> list[int]:
     """Each row's seed: its sequence's, and for the k-th extra row of a fan-out, that of sample index + k."""
     seeds, k = [], 0
-    for row, seq in enumerate(row_seqs):
-        k = k + 1 if row and row_seqs[row - 1] is seq else 0
+    for row, seq in enumerate(rows.seqs):
+        k = k + 1 if rows.forks(row) else 0
         seeds.append(sample_seed_for(seq.request, seq.index + k) if k else seq.seed)
     return seeds
+
+
+def _output_token_ids(rows: SampledRows) -> list[list[int]]:
+    """Each row's output tokens before the token it samples: a row after a proposal counts the proposals up to
+    it as generated (its draw, penalties and bans are those of the position, as if they were accepted)."""
+    positions = rows.draft_positions or [0] * len(rows.seqs)
+    return [
+        seq.output_token_ids + seq.draft_token_ids[:position] if position else seq.output_token_ids
+        for seq, position in zip(rows.seqs, positions, strict=True)
+    ]
 
 
 class StepSampling:
@@ -89,6 +99,7 @@ class StepSampling:
                 tensors = self._plain[num_rows] = self._build((), num_rows)
             return tensors
         previous = self._static
+        all_static = all_static and rows.draft_positions is None  # proposals move rows by more than a token
         if all_static and previous is not None and previous[0] == row_seqs and previous[2] == num_rows:
             tensors = previous[1]
             steps = tensors.steps.copy()
@@ -99,7 +110,7 @@ class StepSampling:
                 SamplingRow(
                     seq.request.params,
                     seq.request.prompt_token_ids,
-                    seq.output_token_ids,
+                    output_token_ids,
                     seed,
                     None if seq.request.params.ignore_eos else self._eos_token_id,
                     seq.request.bad_words_token_ids,
@@ -107,8 +118,8 @@ class StepSampling:
                     grammar_bitmask,
                     masked_top_logprobs=seq.request.beam is not None,
                 )
-                for seq, seed, grammar_bitmask in zip(
-                    row_seqs, _row_seeds(row_seqs), self._bitmasks(row_seqs), strict=True
+                for seq, output_token_ids, seed, grammar_bitmask in zip(
+                    row_seqs, _output_token_ids(rows), _row_seeds(rows), self._bitmasks(rows), strict=True
                 )
             ]
             tensors = self._build(sampling_rows, num_rows)

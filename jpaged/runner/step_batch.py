@@ -39,6 +39,9 @@ class StepSchedule:
     prompt_lens: list[int] | None = None
     # Each sequence's LoRA slot (0: the base model) where the engine serves adapters; None where it serves none.
     lora_slots: list[int] | None = None
+    # For each sampled row, how many tokens before its sequence's last scheduled one it samples after (a sequence
+    # verifying k proposed tokens samples after each of its last k + 1); None: every row samples after the last.
+    sample_back: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +105,8 @@ def pad_batch(schedule: StepSchedule, shapes: StepShapes, block_size: int, table
         lora_slots[:num_tokens] = np.asarray(schedule.lora_slots, np.int32)[seq_of_token]
     logits_indices = np.zeros(s_bucket, np.int32)
     logits_indices[: len(sample_rows)] = query_start[np.asarray(sample_rows, np.int32) + 1] - 1
+    if schedule.sample_back is not None:
+        logits_indices[: len(sample_rows)] -= np.asarray(schedule.sample_back, np.int32)
     num_logits = len(sample_rows)
     prompt_targets = None
     if schedule.prompt_logprob_seqs:
