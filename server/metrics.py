@@ -20,6 +20,7 @@ from jpaged.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from jpaged.engine.lora_adapters import LoRAStats
+    from jpaged.engine.speculation import SpecDecodeStats
 
 # vLLM's buckets, so dashboards built for vLLM read these unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -69,6 +70,30 @@ class EngineCollector:
             yield expert_load_family(load, self._model_name)
         if self._engine.engine.config.enable_lora:
             yield from lora_families(self._engine.lora_stats(), self._model_name)
+        spec = self._engine.spec_decode_stats()
+        if spec is not None:
+            yield from spec_decode_families(spec, self._model_name)
+
+
+def spec_decode_families(stats: SpecDecodeStats, model_name: str) -> Iterator[Metric]:
+    """Speculative decoding's counters, as vLLM names them: the acceptance rate is accepted over draft tokens,
+    and the accepted tokens by position say how far proposals stay right."""
+    for key, doc in (
+        ("spec_decode_num_drafts", "Verifications of proposed tokens (a sequence's step with proposals)."),
+        ("spec_decode_num_draft_tokens", "Proposed tokens verified."),
+        ("spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
+    ):
+        family = CounterMetricFamily(f"jpaged:{key}", doc, labels=["model_name"])
+        family.add_metric([model_name], float(stats.counters()[key]))
+        yield family
+    family = CounterMetricFamily(
+        "jpaged:spec_decode_num_accepted_tokens_per_pos",
+        "Proposed tokens accepted at each position of a proposal (0 first).",
+        labels=["model_name", "position"],
+    )
+    for position, count in enumerate(stats.accepted_per_position):
+        family.add_metric([model_name, str(position)], float(count))
+    yield family
 
 
 def lora_families(stats: LoRAStats, model_name: str) -> Iterator[Metric]:

@@ -13,6 +13,7 @@ from jpaged_server.api_server import build_app
 from server_harness import serve_in_thread, small_engine
 
 from jpaged.benchmarks.serve_client import arrival_times
+from jpaged.benchmarks.spec_decode_counts import parse_counts
 from jpaged.entrypoints.cli import main
 
 MODEL = "tiny"
@@ -121,3 +122,30 @@ def test_arrivals_are_poisson_scaled_to_the_rate_or_all_at_once():
 def test_bad_flags_are_clear_errors(flags, message, capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+VLLM_METRICS = """# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+# TYPE vllm:spec_decode_num_draft_tokens counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+# TYPE vllm:spec_decode_num_accepted_tokens counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 7.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 1.0
+"""
+
+
+def test_spec_decode_counters_are_read_from_either_servers_metrics_and_differenced():
+    after = parse_counts(VLLM_METRICS)
+    before = parse_counts(
+        VLLM_METRICS.replace("10.0", "4.0").replace("30.0", "12.0").replace("} 7.0", "} 1.0")
+    )
+    run = after - before
+    assert (run.num_drafts, run.num_draft_tokens, run.num_accepted_tokens) == (6.0, 18.0, 0.0)
+    assert run.accepted_per_position == (6.0, 0.0, 0.0)
+    jpaged_named = parse_counts(VLLM_METRICS.replace("vllm:", "jpaged:"))
+    assert jpaged_named == after and after.accepted_per_position == (7.0, 4.0, 1.0)
+    assert parse_counts("# TYPE jpaged:prompt_tokens counter\njpaged:prompt_tokens_total 3.0\n") is None
+    assert any(line.startswith("Acceptance length:") and "2.20" in line for line in after.report())

@@ -131,6 +131,8 @@ def report(metrics: ServeMetrics, selected: list[str], title: str = "Serving Ben
         row(f"Median {short} (ms):", distribution.median)
         for p, value in distribution.percentiles.items():
             row(f"P{p:g} {short} (ms):", value)
+    if metrics.spec_decode is not None:
+        lines += metrics.spec_decode.report()
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -184,6 +186,7 @@ def plot_sweep(dial: str, points: list[tuple[Point, ServeMetrics]], path: Path) 
 def run_bench_serve(args: argparse.Namespace) -> int:
     from jpaged.benchmarks.serve_client import run_requests
     from jpaged.benchmarks.serve_metrics import parse_goodput, serve_metrics
+    from jpaged.benchmarks.spec_decode_counts import scrape
 
     selected, percentiles = figures_asked(args)
     dial, sweep = sweep_points(args)
@@ -191,6 +194,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     requests = requests_from(args)
     points = []
     for point in sweep:
+        before = scrape(args.base_url)
         timings, duration = asyncio.run(
             run_requests(
                 args.base_url,
@@ -207,6 +211,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         metrics = serve_metrics(timings, duration, percentiles, goodput)
         if dial:
             print(f"{dial} {dial_value(dial, point)}:")
+        after = scrape(args.base_url)
+        if before is not None and after is not None:  # a speculating server: the run's acceptance
+            metrics = dataclasses.replace(metrics, spec_decode=after - before)
         print(report(metrics, selected))
         points.append((point, metrics))
     if dial:

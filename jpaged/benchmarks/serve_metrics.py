@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jpaged.benchmarks.spec_decode_counts import SpecDecodeCounts
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
@@ -64,6 +68,9 @@ class ServeMetrics:
     tpot: Distribution
     itl: Distribution
     e2el: Distribution
+    spec_decode: SpecDecodeCounts | None = (
+        None  # the server's speculative decoding over the run, where it speculates
+    )
 
 
 def parse_goodput(specs: Sequence[str]) -> dict[str, float]:

@@ -27,6 +27,8 @@ _HELP = {
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (= fp8_e4m3): the KV pool as float8 e4m3, twice the tokens",
     "convert": "embed: run a decoder as an embedding model, pooled as its sentence-transformers config says "
     "(else last token, normalised)",
+    "speculative_config": 'vLLM\'s speculative_config as JSON: {"method": "ngram" or "suffix", '
+    '"num_speculative_tokens": k, ...}; each decode step verifies k proposed tokens in one forward',
     "enable_expert_parallel": "split a mixture of experts' experts whole over the --tensor-parallel-size devices "
     "(E / tp each; tokens move to them) instead of each expert's MLP",
 }
