@@ -15,7 +15,8 @@ tokens the engine generates without speculation. Greedy rows accept the longest 
 A sequence that accepts a of its k proposals appends a + 1 tokens; the KV of the k - a rejected ones stays in
 slots past its length, which its next step overwrites (never hashed into the prefix cache: only positions before
 the length are). Proposals pause for a sequence while they stop paying (its running acceptance rate below
-PAUSE_BELOW), and for the whole batch past disable_by_batch_size.
+PAUSE_BELOW), for the whole batch past disable_by_batch_size, and for IDLE_STEPS after a step where no sequence had
+a proposal (so that a batch that seldom repeats itself keeps async scheduling's overlap).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from jpaged.runner.sampling_inputs import SamplerOutput
 ACCEPTANCE_WEIGHT = 0.25
 PAUSE_BELOW = 0.1
 PAUSE_STEPS = 8
+# After a step where no running sequence had a proposal, this many steps run without trying (with async scheduling,
+# overlapped: proposing needs each sequence's latest token on the host, which waits for the step in flight).
+IDLE_STEPS = 3
 
 
 @dataclass(slots=True)
@@ -83,11 +87,16 @@ class Speculation:
             self._ngram if self._suffix is None else self._suffix_tree
         )
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
+        self._idle = 0  # steps left without trying, after one that proposed nothing
+        self._idle_steps = (
+            IDLE_STEPS if config.async_scheduling else 0
+        )  # trying costs nothing without overlap
 
     def active(self, running: list[SequenceState]) -> bool:
-        """Whether this batch speculates (not past disable_by_batch_size)."""
+        """Whether the next step tries proposals: not past disable_by_batch_size, nor just after a step where
+        none was found."""
         limit = self.spec.disable_by_batch_size
-        return bool(running) and (limit is None or len(running) < limit)
+        return bool(running) and (limit is None or len(running) < limit) and not self._idle
 
     def propose(self, running: list[SequenceState]) -> None:
         """Give each running decode its proposals for the next step, as many as fit the step's rows and tokens
@@ -96,12 +105,14 @@ class Speculation:
             if seq.draft_token_ids:
                 seq.draft_token_ids = []
         if not self.active(running):
+            self._idle = max(self._idle - 1, 0)
             return
         rows_left = self._max_rows - sum(seq.fan_out for seq in running)
         tokens_left = self._max_tokens - len(running)
+        proposed = False
         for seq in running:
             if rows_left <= 0 or tokens_left <= 0:
-                return
+                break
             if not _proposes(seq):
                 continue
             if seq.draft_pause:
@@ -114,6 +125,9 @@ class Speculation:
             seq.draft_token_ids = drafts
             rows_left -= len(drafts)
             tokens_left -= len(drafts)
+            proposed = proposed or bool(drafts)
+        if not proposed:
+            self._idle = self._idle_steps
 
     def _ngram(self, seq: SequenceState, k: int) -> list[int]:
         return propose_ngram(seq.token_ids, k, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
