@@ -28,10 +28,11 @@ NO_QUANTIZATION = "none"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 CONVERTS = ("auto", "none", "embed")
 # vLLM's speculative_config methods that jpaged runs: proposals from the sequence's own tokens (n-gram prompt lookup),
-# or from a suffix tree over them and recently finished requests (core/suffix_proposer.py).
-SPECULATIVE_METHODS = ("ngram", "suffix")
+# from a suffix tree over them and recently finished requests (core/suffix_proposer.py), or from a smaller model of
+# the same tokenizer (`model`; engine/draft_model.py).
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 # Named by vLLM, not run here yet: refused by name rather than ignored.
-UNSUPPORTED_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+UNSUPPORTED_SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
+    model: str | None = None  # draft_model: the draft's path (any format the engine loads)
     prompt_lookup_min: int | None = None  # ngram: shortest n-gram looked up (vLLM: defaults to the max, or 5)
     prompt_lookup_max: int | None = None
     # Speculation steps aside while this many sequences run (vLLM's disable_by_batch_size); None: never.
@@ -68,6 +70,10 @@ class SpeculativeConfig:
             _positive(self, "prompt_lookup_min", "prompt_lookup_max")
             if low > high:
                 raise ValueError(f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config: a draft model needs 'model' (its path), and only it takes one"
+            )
         if self.disable_by_batch_size is not None:
             _positive(self, "disable_by_batch_size")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
@@ -93,9 +99,8 @@ class SpeculativeConfig:
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a dict or its JSON, got {type(value).__name__}")
         values = dict(value)
-        if "model" in values:
-            method = values.setdefault("method", "draft_model")
-            raise ValueError(f"speculative_config method {method!r} (a draft model) is not supported yet")
+        if values.get("model") is not None:
+            values.setdefault("method", "draft_model")
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -186,12 +191,22 @@ class EngineConfig:
             raise ValueError("enable_lora serves adapters for generation: a pooling model takes none")
         if self.speculative_config is not None and self.is_pooling:
             raise ValueError("speculative_config speeds up generation: a pooling model generates nothing")
+        if self.draft_model is not None and self.preemption_mode == "swap":
+            raise ValueError(
+                "speculative_config with a draft model takes preemption_mode 'recompute' (its KV pool is not swapped)"
+            )
         if self.runner == "generate" and self.convert == "embed":
             raise ValueError("convert 'embed' makes a pooling model: it needs runner 'pooling' (or 'auto')")
         if self.runner == "pooling" and self.convert == "none":
             raise ValueError(
                 "runner 'pooling' needs convert 'embed' (or 'auto'): a decoder model pools only when converted"
             )
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model's path, where speculative_config names one."""
+        spec = self.speculative_config
+        return spec.model if spec is not None and spec.method == "draft_model" else None
 
     @property
     def fp8_kv_cache(self) -> bool:

@@ -42,6 +42,19 @@ def test_on_cpu_the_pool_is_sized_from_kv_cache_memory(tiny_llama):
     )
 
 
+
+def test_a_draft_models_pool_mirrors_the_targets_so_a_block_costs_both(monkeypatch, tiny_llama):
+    """The target as its own draft: a block costs twice the bytes, and the weights are held twice."""
+    monkeypatch.setattr(startup, "device_memory", lambda: ("gpu", 10 * GIB))
+    monkeypatch.setattr(startup, "activation_peak_bytes", lambda *args: PEAK)
+    config = EngineConfig(max_model_len=128)
+    mc = tiny_llama.config
+    block_bytes = config.block_size * kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, 4)
+    weights = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tiny_llama.params))
+    size = startup.size_kv_cache(config, tiny_llama, 128, draft=tiny_llama)
+    assert size.num_blocks == (10 * GIB - 2 * weights - PEAK) // (2 * block_bytes)
+
+
 @pytest.mark.parametrize(
     ("platform", "given", "expected"),
     [

@@ -277,7 +277,7 @@ def test_the_config_takes_vllm_keys_and_refuses_what_it_cannot_run():
             "<=",
         ),
         ({"method": "medusa", "num_speculative_tokens": 2}, "'medusa' is not supported yet"),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "'draft_model' .* not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "a draft model needs 'model'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, r"unknown keys \['typo'\]"),
         ("{not json", "not valid JSON"),
     ]:
@@ -285,3 +285,64 @@ def test_the_config_takes_vllm_keys_and_refuses_what_it_cannot_run():
             EngineConfig(speculative_config=bad)
     with pytest.raises(ValueError, match="pooling model"):
         EngineConfig(speculative_config=NGRAM, convert="embed")
+
+
+def draft_engine(model, draft_dir, k: int = 3, **overrides) -> LLMEngine:
+    return make(model, {"model": str(draft_dir), "num_speculative_tokens": k}, **overrides)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_draft_model_of_the_same_weights_proposes_the_targets_own_greedy_tokens(
+    tiny_llama, tiny_llama_dir, params
+):
+    """The target as its own draft: greedy, nearly every proposal is accepted (so the draft's KV, kept up step
+    by step on the target's blocks, is right); sampled, outputs are still exactly the target's."""
+    expected = generate(make(tiny_llama), params)
+    engine = draft_engine(tiny_llama, tiny_llama_dir)
+    assert engine.speculation.spec.method == "draft_model"
+    assert generate(engine, params) == expected
+    stats = engine.spec_decode_stats()
+    assert stats.num_drafts > 10
+    if params.temperature == 0:
+        assert stats.acceptance_rate > 0.9
+
+
+def test_a_draft_model_of_another_family_changes_nothing_under_preemption_and_parallel_samples(
+    tiny_llama, tiny_model_dir
+):
+    draft_dir = tiny_model_dir("qwen3_qk_norm")
+    prompts = [p * 2 for p in PROMPTS]
+    expected = generate(make(tiny_llama), GREEDY, prompts)
+    engine = draft_engine(tiny_llama, draft_dir, num_blocks=14, max_model_len=128)
+    assert generate(engine, GREEDY, prompts) == expected
+    assert engine.scheduler.num_preemptions > 0 and engine.spec_decode_stats().num_drafts > 0
+    params = SamplingParams(n=3, max_tokens=12, ignore_eos=True, temperature=1.0, seed=11)
+    assert generate(draft_engine(tiny_llama, draft_dir), params, PROMPTS[:2]) == generate(
+        make(tiny_llama), params, PROMPTS[:2]
+    )
+
+
+def test_a_draft_model_compiles_nothing_after_warm_up(tiny_llama, tiny_llama_dir):
+    engine = draft_engine(
+        tiny_llama, tiny_llama_dir, enforce_eager=False, max_num_seqs=8, max_num_batched_tokens=64
+    )
+    compiled = engine.runner.num_compilations, engine.draft.runner.num_compilations
+    assert generate(engine, SAMPLED) == generate(make(tiny_llama), SAMPLED)
+    assert (engine.runner.num_compilations, engine.draft.runner.num_compilations) == compiled
+
+
+def test_a_draft_model_of_another_vocabulary_or_with_swapping_is_refused(
+    tiny_llama, tiny_model_dir, tmp_path
+):
+    with pytest.raises(ValueError, match="preemption_mode 'recompute'"):
+        make(tiny_llama, {"model": "/any", "num_speculative_tokens": 2}, preemption_mode="swap")
+    import transformers
+
+    other = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(other).save_pretrained(tmp_path / "small")
+    transformers.AutoTokenizer.from_pretrained(tiny_model_dir("llama")).save_pretrained(tmp_path / "small")
+    with pytest.raises(
+        ValueError, match=r"draft's vocabulary \(1000 tokens\) must be the target's \(49152\)"
+    ):
+        draft_engine(tiny_llama, tmp_path / "small")

@@ -24,6 +24,7 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Request, SequenceState, SequenceStatus
 from jpaged.engine.beam_driver import BeamDriver
 from jpaged.engine.constrained_decoding import ConstrainedDecoding
+from jpaged.engine.draft_model import DraftModel
 from jpaged.engine.engine_metrics import ExpertLoad, TokenCounts, engine_metrics
 from jpaged.engine.lora_adapters import LoRAAdapters, LoRAStats
 from jpaged.engine.output_processor import OutputProcessor
@@ -34,7 +35,7 @@ from jpaged.engine.startup import for_this_platform, size_kv_cache
 from jpaged.engine.step_sampling import StepSampling, describe_sampling, sample_seed_for
 from jpaged.lora_request import LoRARequest
 from jpaged.models.llama import abstract_params, as_params, params_dtype
-from jpaged.models.loader import LoadedModel
+from jpaged.models.loader import LoadedModel, load_model
 from jpaged.models.params import check_same_leaves, weights_spec
 from jpaged.outputs import RequestOutput
 from jpaged.runner import expert_load
@@ -77,7 +78,8 @@ class LLMEngine:
             self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
         self.tokenizer = self.model.tokenizer
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        size = size_kv_cache(config, self.model, self.max_model_len)
+        draft = load_model(config.draft_model, dtype, progress=False) if config.draft_model else None
+        size = size_kv_cache(config, self.model, self.max_model_len, draft)
         self.blocks = BlockManager(
             size.num_blocks, config.block_size, config.enable_prefix_caching, size.num_swap_blocks
         )
@@ -101,9 +103,15 @@ class LLMEngine:
         self.sampling = StepSampling(
             self.runner.sampling_tensors, (mc.eos_token_ids or (None,))[0], self.constrained.bitmasks
         )
-        self.speculation = (
-            Speculation(config.speculative_config, config) if config.speculative_config else None
+        self.draft = (
+            None
+            if draft is None
+            else DraftModel(config, draft, mc.vocab_size, self.blocks.block_tables, **size.runner_args)
         )
+        self.speculation = None
+        if config.speculative_config is not None:
+            batch_proposer = None if self.draft is None else self._draft_proposals
+            self.speculation = Speculation(config.speculative_config, config, batch_proposer)
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self._next_seq_id = 0
@@ -113,7 +121,9 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None  # launched, its tokens not processed yet (async)
         self._held: list[RequestOutput] = []  # outputs processed outside step(), returned by the next one
         self._prefix_hint = PrefixHint(config.block_size) if config.enable_prefix_caching else None
-        self.warmup_seconds = 0.0 if config.enforce_eager else self.runner.warmup()
+        self.warmup_seconds = 0.0
+        if not config.enforce_eager:
+            self.warmup_seconds = self.runner.warmup() + (self.draft.warmup() if self.draft else 0.0)
 
     def _start_runner(self, size: KVCacheSize, *, from_memory: bool) -> ModelRunner:
         """The runner for this engine's steps, of the kind `_runner_class` says."""
@@ -323,6 +333,20 @@ class LLMEngine:
             logger.warning("request %s: structured outputs: %s", request.request_id, error)
             self._held.append(self.abort_request(request.request_id))
 
+    def _draft_proposals(self, wanted: list[tuple[SequenceState, int]]) -> list[list[int]]:
+        """The draft model's proposals, after the slots of each sequence's verifying step (none where the pool has
+        no room for them) and copies of the shared blocks among them, on both pools."""
+        ready = [
+            (seq, k)
+            for seq, k in wanted
+            if self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens, 1 + k)
+        ]
+        copies = self.blocks.take_pending_copies()
+        self.runner.copy_blocks(copies)
+        self.draft.copy_blocks(copies)
+        proposed = dict(zip((seq.seq_id for seq, _ in ready), self.draft.propose(ready), strict=True))
+        return [proposed.get(seq.seq_id, []) for seq, _ in wanted]
+
     def _speculates(self) -> bool:
         return self.speculation is not None and self.speculation.active(self.scheduler.running)
 
@@ -340,6 +364,8 @@ class LLMEngine:
         if self.beams.active:
             seqs, num_new_tokens = self.beams.keep_in_lockstep(seqs, num_new_tokens)
         self.runner.copy_blocks(plan.copies)  # before the step that writes into the copies
+        if self.draft is not None:
+            self.draft.copy_blocks(plan.copies)
         if not seqs:
             return None
         tables = self.blocks.block_tables([seq.seq_id for seq in seqs])
@@ -358,6 +384,8 @@ class LLMEngine:
         prepared = self.runner.prepare(scheduled.schedule)
         rows = scheduled.rows
         self.runner.forward(prepared)
+        if self.draft is not None:  # the draft computes the step's KV too, taking inputs from the same tokens
+            self.draft.catch_up(prepared, self.runner.last_tokens)
         pending = self.runner.sample(self.sampling.inputs(rows, prepared.num_rows))
         for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new

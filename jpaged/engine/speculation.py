@@ -69,7 +69,12 @@ class SpecDecodeStats:
 class Speculation:
     """One engine's proposer and its counters (see the module doc)."""
 
-    def __init__(self, spec: SpeculativeConfig, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        spec: SpeculativeConfig,
+        config: EngineConfig,
+        batch_proposer: Callable[[list[tuple[SequenceState, int]]], list[list[int]]] | None = None,
+    ) -> None:
         self.spec = spec
         self.k = spec.num_speculative_tokens
         self._max_rows = config.max_num_seqs
@@ -82,7 +87,9 @@ class Speculation:
                 spec.suffix_decoding_max_spec_factor,
                 spec.suffix_decoding_min_token_prob,
             )
-        # What proposes (seq, up to k) -> tokens: the method's; a caller may set its own (tests, research code).
+        # What proposes for every sequence at once ([(seq, k)] -> tokens each; a draft model's), else for one
+        # (seq, up to k) -> tokens: the method's; a caller may set its own (tests, research code).
+        self.batch_proposer = batch_proposer
         self.proposer: Callable[[SequenceState, int], list[int]] = (
             self._ngram if self._suffix is None else self._suffix_tree
         )
@@ -110,6 +117,7 @@ class Speculation:
         rows_left = self._max_rows - sum(seq.fan_out for seq in running)
         tokens_left = self._max_tokens - len(running)
         proposed = False
+        wanted: list[tuple[SequenceState, int]] = []
         for seq in running:
             if rows_left <= 0 or tokens_left <= 0:
                 break
@@ -121,11 +129,20 @@ class Speculation:
             k = min(self.k, rows_left, tokens_left, seq.max_num_tokens - seq.num_tokens - 1)
             if k <= 0:
                 continue
+            if self.batch_proposer is not None:  # proposes k for every sequence asked, all at once below
+                wanted.append((seq, k))
+                rows_left -= k
+                tokens_left -= k
+                continue
             drafts = self.proposer(seq, k)[:k]
             seq.draft_token_ids = drafts
             rows_left -= len(drafts)
             tokens_left -= len(drafts)
             proposed = proposed or bool(drafts)
+        if wanted:
+            for (seq, k), drafts in zip(wanted, self.batch_proposer(wanted), strict=True):
+                seq.draft_token_ids = drafts[:k]
+                proposed = proposed or bool(drafts)
         if not proposed:
             self._idle = self._idle_steps
 

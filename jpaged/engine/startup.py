@@ -47,13 +47,22 @@ def for_this_platform(config: EngineConfig) -> tuple[EngineConfig, np.dtype]:
 class KVCacheSize:
     num_blocks: int  # device blocks, the null block 0 included
     num_swap_blocks: int  # host slots for swapped-out blocks
+    max_model_len: int
+
+    @property
+    def runner_args(self) -> dict[str, int]:
+        """What a ModelRunner of this pool takes."""
+        return {"num_blocks": self.num_blocks, "max_model_len": self.max_model_len}
 
 
-def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) -> KVCacheSize:
+def size_kv_cache(
+    config: EngineConfig, model: LoadedModel, max_model_len: int, draft: LoadedModel | None = None
+) -> KVCacheSize:
     """Blocks for the pool (explicit num_blocks, else the device's memory on an accelerator less the weights and
     the step's activation peak, else kv_cache_memory on CPU) and for swap space; fails at start-up when one
     max_model_len sequence cannot fit. Memory is per device: with tensor parallelism each device holds its share
-    of the weights and of every block (its KV heads)."""
+    of the weights and of every block (its KV heads). A draft model's pool mirrors the target's block for block:
+    a block costs both models' bytes, and its weights are held beside the target's."""
     mc, params = model.config, model.params
     dtype_bytes = 1 if config.fp8_kv_cache else params_dtype(params).itemsize  # of a KV element
     tp = config.tensor_parallel_size
@@ -63,6 +72,16 @@ def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) 
         mc.num_layers, tensor_parallel_config(tp, mc).num_kv_heads // tp, mc.head_dim, dtype_bytes
     )
     held = held_weight_bytes(params, mc.hidden_activation, config.quantization)
+    if draft is not None:
+        dc = draft.config
+        check_tensor_parallel_size(tp, dc)
+        extra = kv_bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype_bytes)
+        bytes_per_token += extra
+        device_bytes_per_token += kv_bytes_per_token(
+            dc.num_layers, tensor_parallel_config(tp, dc).num_kv_heads // tp, dc.head_dim, dtype_bytes
+        )
+        for dtype, n in held_weight_bytes(draft.params, dc.hidden_activation, config.quantization).items():
+            held[dtype] = held.get(dtype, 0) + n
     logger.info(
         "weights held: %s", ", ".join(f"{n / 2**20:.1f} MiB {dtype}" for dtype, n in sorted(held.items()))
     )
@@ -83,7 +102,7 @@ def size_kv_cache(config: EngineConfig, model: LoadedModel, max_model_len: int) 
     check_max_model_len_fits(num_blocks, config.block_size, max_model_len)
     logger.info(startup_summary(num_blocks, config.block_size, bytes_per_token, max_model_len))
     num_swap_blocks = int(config.swap_space * 2**30 // (bytes_per_token * config.block_size))
-    return KVCacheSize(num_blocks, num_swap_blocks)
+    return KVCacheSize(num_blocks, num_swap_blocks, max_model_len)
 
 
 def device_memory() -> tuple[str, int | None]:
