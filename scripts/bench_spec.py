@@ -15,6 +15,7 @@ near-tie between logits computed in differently shaped steps, or a bug: `--dtype
 
   python scripts/bench_spec.py [--rounds 2] [--max-tokens 200] [--k 4] [--lookup-min 2] [--lookup-max 4]
   python scripts/bench_spec.py --rounds 1 --workloads "copy x1,chat x1" --dtype float32
+  python scripts/bench_spec.py --methods draft --workloads "copy x1,chat x1"   # draft models: a random one, itself
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,18 +54,26 @@ def counted_steps(llm) -> list[int]:
 
 def fresh_caches(llm) -> None:
     """Empty the prefix cache and the suffix proposer's finished requests, so a run sees its prompts first."""
-    from jpaged.core.suffix_proposer import SuffixProposer
-
     llm.engine.reset_prefix_cache()
-    speculation = llm.engine.speculation
-    if speculation is not None and speculation.spec.method == "suffix":
-        spec = speculation.spec
-        speculation._suffix = SuffixProposer(
-            spec.suffix_decoding_max_tree_depth,
-            spec.suffix_decoding_max_cached_requests,
-            spec.suffix_decoding_max_spec_factor,
-            spec.suffix_decoding_min_token_prob,
-        )
+    if llm.engine.speculation is not None:
+        llm.engine.speculation.forget_finished()
+
+
+def random_draft(root: Path) -> Path:
+    """A 2-layer random Llama of the embedded model's tokenizer: a draft whose proposals are nearly always wrong
+    (what the mechanism costs, k draft decodes and its share of every step, with nothing accepted)."""
+    import torch
+    import transformers
+
+    from jpaged.models.default_model import default_model_path
+    from jpaged.models.loader import load_model
+
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "draft")
+    load_model(str(default_model_path()), progress=False).tokenizer.save_pretrained(root / "draft")
+    return root / "draft"
 
 
 def run(llm, chats: list[list[dict]], streams: int, params) -> tuple[float, list[list[int]], list[list[int]]]:
@@ -107,7 +117,11 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2, help="ngram: prompt_lookup_min")
     parser.add_argument("--lookup-max", type=int, default=4, help="ngram: prompt_lookup_max")
-    parser.add_argument("--methods", default="ngram,suffix")
+    parser.add_argument(
+        "--methods",
+        default="ngram,suffix",
+        help="of ngram, suffix, draft (a random 2-layer draft, and the model itself)",
+    )
     parser.add_argument("--dtype", default="auto", help="activations (auto: bfloat16 on this CPU)")
     parser.add_argument("--workloads", default="copy x1,copy x16,chat x1,chat x16")
     args = parser.parse_args()
@@ -123,7 +137,13 @@ def main() -> None:
         },
         "suffix": {"method": "suffix", "num_speculative_tokens": args.k},
     }
-    methods = ["none", *args.methods.split(",")]
+    if "draft" in args.methods:
+        from jpaged.models.default_model import default_model_path
+
+        drafts = Path(tempfile.mkdtemp())
+        specs["draft-random"] = {"model": str(random_draft(drafts)), "num_speculative_tokens": args.k}
+        specs["draft-self"] = {"model": str(default_model_path()), "num_speculative_tokens": args.k}
+    methods = ["none", *(m for m in specs if m in args.methods.split(",") or m.split("-")[0] in args.methods)]
     engines, steps = {}, {}
     for method in methods:
         built = time.perf_counter()

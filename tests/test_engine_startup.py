@@ -42,7 +42,6 @@ def test_on_cpu_the_pool_is_sized_from_kv_cache_memory(tiny_llama):
     )
 
 
-
 def test_a_draft_models_pool_mirrors_the_targets_so_a_block_costs_both(monkeypatch, tiny_llama):
     """The target as its own draft: a block costs twice the bytes, and the weights are held twice."""
     monkeypatch.setattr(startup, "device_memory", lambda: ("gpu", 10 * GIB))

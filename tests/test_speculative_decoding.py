@@ -17,7 +17,7 @@ from engine_driver import run_requests
 
 from jpaged.config import EngineConfig, SpeculativeConfig
 from jpaged.engine.llm_engine import LLMEngine
-from jpaged.engine.speculation import IDLE_STEPS
+from jpaged.engine.speculation import MAX_IDLE_STEPS
 from jpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 ARGS = dict(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=256, num_blocks=96, enforce_eager=True)
@@ -242,14 +242,15 @@ def test_proposals_that_never_pay_pause(tiny_llama):
     assert engine.spec_decode_stats().num_drafts < 20
 
 
-def test_a_batch_without_proposals_keeps_async_overlap_and_tries_again_every_few_steps(tiny_llama):
-    """Proposing needs each sequence's latest token, which waits for the step in flight: after a step where no
-    sequence had a proposal, IDLE_STEPS steps overlap as without speculation before the next try."""
+def test_a_batch_without_proposals_keeps_async_overlap_and_tries_again_backing_off(tiny_llama):
+    """Proposing needs each sequence's latest token, which waits for the step in flight: after steps where no
+    sequence had a proposal, 0, 1, 3, 7, 7, ... steps overlap as without speculation before the next try."""
     engine = make(tiny_llama, NGRAM, async_scheduling=True)
     tries = []
-    engine.speculation.proposer = lambda seq, k: tries.append(seq) or []
+    engine.speculation.proposer = lambda seq, k: tries.append(len(seq.output_token_ids)) or []
     generate(engine, SamplingParams(max_tokens=41, ignore_eos=True, temperature=0.0), PROMPTS[:1])
-    assert len(tries) == pytest.approx(40 / (IDLE_STEPS + 1), abs=2)
+    gaps = np.diff(tries).tolist()
+    assert gaps[:4] == [1, 2, 4, 8] and set(gaps[4:]) == {MAX_IDLE_STEPS + 1}
 
 
 def test_verification_compiles_nothing_after_warm_up(tiny_llama):

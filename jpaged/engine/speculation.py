@@ -15,8 +15,8 @@ tokens the engine generates without speculation. Greedy rows accept the longest 
 A sequence that accepts a of its k proposals appends a + 1 tokens; the KV of the k - a rejected ones stays in
 slots past its length, which its next step overwrites (never hashed into the prefix cache: only positions before
 the length are). Proposals pause for a sequence while they stop paying (its running acceptance rate below
-PAUSE_BELOW), for the whole batch past disable_by_batch_size, and for IDLE_STEPS after a step where no sequence had
-a proposal (so that a batch that seldom repeats itself keeps async scheduling's overlap).
+PAUSE_BELOW), for the whole batch past disable_by_batch_size, and for a few steps after steps where no sequence
+had a proposal (backing off as they repeat: a batch that seldom repeats itself keeps async scheduling's overlap).
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from jpaged.runner.sampling_inputs import SamplerOutput
 ACCEPTANCE_WEIGHT = 0.25
 PAUSE_BELOW = 0.1
 PAUSE_STEPS = 8
-# After a step where no running sequence had a proposal, this many steps run without trying (with async scheduling,
-# overlapped: proposing needs each sequence's latest token on the host, which waits for the step in flight).
-IDLE_STEPS = 3
+# After steps where no running sequence had a proposal, steps run without trying (with async scheduling, overlapped:
+# proposing needs each sequence's latest token on the host, which waits for the step in flight): none after one
+# such step, then 1, 3, 7 as they repeat, at most MAX_IDLE_STEPS, so a copying batch that misses once loses
+# nothing while one that seldom repeats itself keeps most of the overlap.
+MAX_IDLE_STEPS = 7
 
 
 @dataclass(slots=True)
@@ -79,14 +81,7 @@ class Speculation:
         self.k = spec.num_speculative_tokens
         self._max_rows = config.max_num_seqs
         self._max_tokens = config.max_num_batched_tokens
-        self._suffix = None
-        if spec.method == "suffix":
-            self._suffix = SuffixProposer(
-                spec.suffix_decoding_max_tree_depth,
-                spec.suffix_decoding_max_cached_requests,
-                spec.suffix_decoding_max_spec_factor,
-                spec.suffix_decoding_min_token_prob,
-            )
+        self._suffix = _suffix_proposer(spec) if spec.method == "suffix" else None
         # What proposes for every sequence at once ([(seq, k)] -> tokens each; a draft model's), else for one
         # (seq, up to k) -> tokens: the method's; a caller may set its own (tests, research code).
         self.batch_proposer = batch_proposer
@@ -95,9 +90,8 @@ class Speculation:
         )
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
         self._idle = 0  # steps left without trying, after one that proposed nothing
-        self._idle_steps = (
-            IDLE_STEPS if config.async_scheduling else 0
-        )  # trying costs nothing without overlap
+        self._misses = 0  # consecutive tries that proposed nothing
+        self._backs_off = bool(config.async_scheduling)  # without overlap, trying costs nothing
 
     def active(self, running: list[SequenceState]) -> bool:
         """Whether the next step tries proposals: not past disable_by_batch_size, nor just after a step where
@@ -143,8 +137,9 @@ class Speculation:
             for (seq, k), drafts in zip(wanted, self.batch_proposer(wanted), strict=True):
                 seq.draft_token_ids = drafts[:k]
                 proposed = proposed or bool(drafts)
-        if not proposed:
-            self._idle = self._idle_steps
+        self._misses = 0 if proposed else self._misses + 1
+        if self._backs_off and self._misses:
+            self._idle = min(2 ** (self._misses - 1) - 1, MAX_IDLE_STEPS)
 
     def _ngram(self, seq: SequenceState, k: int) -> list[int]:
         return propose_ngram(seq.token_ids, k, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
@@ -193,6 +188,14 @@ class Speculation:
             seq.draft_pause = PAUSE_STEPS
             seq.draft_acceptance = PAUSE_BELOW  # tried again after the pause, not written off for good
 
+    def forget_finished(self) -> None:
+        """Drop what finished requests taught the proposer (the suffix tree of their outputs): a benchmark's rounds
+        start equal."""
+        if self._suffix is not None:
+            self._suffix = _suffix_proposer(
+                self.spec
+            )  # live sequences' trees are rebuilt on their next proposal
+
     def finished(self, seq: SequenceState, *, aborted: bool = False) -> None:
         """A sequence ended: a finished one's output joins the suffix tree of recent requests."""
         seq.draft_token_ids = []
@@ -213,6 +216,15 @@ def _proposes(seq: SequenceState) -> bool:
         and seq.num_computed_tokens == len(seq.token_ids) - 1
         and len(seq.token_ids) > seq.num_prompt_tokens
         and seq.request.beam is None
+    )
+
+
+def _suffix_proposer(spec: SpeculativeConfig) -> SuffixProposer:
+    return SuffixProposer(
+        spec.suffix_decoding_max_tree_depth,
+        spec.suffix_decoding_max_cached_requests,
+        spec.suffix_decoding_max_spec_factor,
+        spec.suffix_decoding_min_token_prob,
     )
 
 
