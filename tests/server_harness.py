@@ -98,3 +98,17 @@ def assert_400(response: httpx.Response, param: str, *words: str) -> None:
     assert error["param"] == param, error
     for word in words:
         assert word in error["message"], error["message"]
+
+
+def metric_samples(base_url: str, part: str, label: str) -> dict[str, float]:
+    """The samples of the server's /metrics whose name holds `part`, keyed `name`, or `name{value}` where the
+    sample has the label `label`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text):
+        for sample in family.samples:
+            if part in sample.name:
+                value = sample.labels.get(label)
+                samples[f"{sample.name}{{{value}}}" if value else sample.name] = sample.value
+    return samples

@@ -18,8 +18,7 @@ from jpaged_server.api_server import build_app
 from jpaged_server.cli import add_server_args, lora_modules
 from jpaged_server.lora_adapters import LoRAModule
 from peft_adapters import ALL_TARGETS, make_adapter
-from prometheus_client.parser import text_string_to_metric_families
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread
+from server_harness import SMALL_ENGINE_ARGS, metric_samples, serve_in_thread
 
 from jpaged.config import EngineConfig
 from jpaged.engine.async_engine import AsyncLLMEngine
@@ -101,13 +100,7 @@ def unload(server, name: str) -> httpx.Response:
 
 def lora_samples(server) -> dict[str, float]:
     """The LoRA samples of /metrics, keyed `name` or `name{adapter}`."""
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text):
-        for sample in family.samples:
-            if "lora" in sample.name:
-                adapter = sample.labels.get("lora_name")
-                samples[f"{sample.name}{{{adapter}}}" if adapter else sample.name] = sample.value
-    return samples
+    return metric_samples(server.base_url, "lora", "lora_name")
 
 
 def test_models_lists_the_base_model_then_each_adapter_with_its_directory_and_parent(client, adapters):

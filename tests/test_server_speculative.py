@@ -8,8 +8,7 @@ import json
 import httpx
 import pytest
 from jpaged_server.api_server import build_app
-from prometheus_client.parser import text_string_to_metric_families
-from server_harness import SMALL_ENGINE_ARGS, serve_in_thread
+from server_harness import SMALL_ENGINE_ARGS, metric_samples, serve_in_thread
 
 from jpaged import LLM, SamplingParams
 from jpaged.config import EngineConfig
@@ -35,13 +34,8 @@ def server(tiny_llama_dir):
 
 
 def spec_samples(server) -> dict[str, float]:
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text):
-        for sample in family.samples:
-            if "spec_decode" in sample.name:
-                position = sample.labels.get("position")
-                samples[sample.name + (f"{{{position}}}" if position else "")] = sample.value
-    return samples
+    """The spec_decode samples of /metrics, keyed `name` or `name{position}`."""
+    return metric_samples(server.base_url, "spec_decode", "position")
 
 
 def test_completions_equal_an_engine_without_speculation_and_the_counters_show_acceptance(

@@ -78,7 +78,9 @@ class LLMEngine:
             self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
         self.tokenizer = self.model.tokenizer
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        draft = load_model(config.draft_model, dtype, progress=False) if config.draft_model else None
+        draft = None
+        if config.draft_model:  # held as the target is (a quantized checkpoint's matrices as stored)
+            draft = load_model(config.draft_model, dtype, progress=False, keep_blocks=keep_blocks)
         size = size_kv_cache(config, self.model, self.max_model_len, draft)
         self.blocks = BlockManager(
             size.num_blocks, config.block_size, config.enable_prefix_caching, size.num_swap_blocks

@@ -191,10 +191,8 @@ class Speculation:
     def forget_finished(self) -> None:
         """Drop what finished requests taught the proposer (the suffix tree of their outputs): a benchmark's rounds
         start equal."""
-        if self._suffix is not None:
-            self._suffix = _suffix_proposer(
-                self.spec
-            )  # live sequences' trees are rebuilt on their next proposal
+        if self._suffix is not None:  # live sequences' trees are rebuilt on their next proposal
+            self._suffix = _suffix_proposer(self.spec)
 
     def finished(self, seq: SequenceState, *, aborted: bool = False) -> None:
         """A sequence ended: a finished one's output joins the suffix tree of recent requests."""
