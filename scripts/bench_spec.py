@@ -6,9 +6,10 @@ back the whole file, quotes of a document) one after another and 16 at once (its
 
 The three engines are built once and measured in turns (`--rounds`), the median reported with its ratio to the
 baseline; before each measurement the prefix cache is emptied (every run prefills its prompts) and the suffix
-proposer's cache of finished requests too (a round must not propose the previous round's answers). Also reported:
-the acceptance rate over the measured runs (spec_decode_stats' delta), milliseconds a step (a verifying step
-computes k + 1 tokens a sequence where a decode computes 1: what a proposal costs when it is rejected), and
+proposer's cache of finished requests too (a round must not propose the previous round's answers). A run's rate is
+its own output tokens over its seconds (an output that left the baseline's at a near-tie may end elsewhere). Also
+reported: the acceptance rate over the measured runs (spec_decode_stats' delta), milliseconds a step (a verifying
+step computes k + 1 tokens a sequence where a decode computes 1: what a proposal costs when it is rejected), and
 whether every output's tokens equal the baseline's (they must: greedy rows accept only the argmax), else how many
 outputs differed over the rounds and, for each, where and by what margin the baseline chose there (a bfloat16
 near-tie between logits computed in differently shaped steps, or a bug: `--dtype float32` tells them apart).
@@ -166,6 +167,7 @@ def main() -> None:
         )
 
     seconds = {(w, m): [] for w in workloads for m in methods}
+    generated = {(w, m): [] for w in workloads for m in methods}  # output tokens a run (outputs may differ)
     step_counts = {(w, m): 0 for w in workloads for m in methods}
     accepted = {(w, m): [0, 0] for w in workloads for m in methods}
     tokens, prompt_ids, mismatches = {}, {}, {(w, m): 0 for w in workloads for m in methods}
@@ -176,6 +178,7 @@ def main() -> None:
                 before, stats = steps[method][0], llm.engine.spec_decode_stats()
                 elapsed, outputs, prompts = run(llm, chats, streams, params)
                 seconds[workload, method].append(elapsed)
+                generated[workload, method].append(sum(len(output) for output in outputs))
                 step_counts[workload, method] += steps[method][0] - before
                 if stats is not None:
                     after = llm.engine.spec_decode_stats()
@@ -201,14 +204,17 @@ def main() -> None:
     print("| workload | method | output tok/s | vs none | acceptance | tokens/step | ms/step | identical |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
+
+    def rate_of(key) -> float:  # each run's own output tokens over its seconds, the median run
+        return statistics.median(n / t for n, t in zip(generated[key], seconds[key], strict=True))
+
     for workload in workloads:
-        count = sum(len(t) for t in tokens[workload])
-        base = count / statistics.median(seconds[workload, "none"])
+        base = rate_of((workload, "none"))
         for method in methods:
             key = (workload, method)
-            rate = count / statistics.median(seconds[key])
+            rate, count = rate_of(key), sum(generated[key])
             good, drafted = accepted[key]
-            per_step = count * args.rounds / step_counts[key]
+            per_step = count / step_counts[key]
             step_ms = 1e3 * sum(seconds[key]) / step_counts[key]
             same = "-" if method == "none" else ("yes" if not mismatches[key] else f"NO ({mismatches[key]})")
             acceptance = f"{good / drafted:.0%}" if drafted else "-"
