@@ -13,12 +13,12 @@ proposals are its argmax: one token each, which the target's acceptance treats a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
-import numpy as np
 
 from jpaged.config import EngineConfig
+from jpaged.core.block_manager import BlockManager
 from jpaged.core.sequence import SequenceState
 from jpaged.models.loader import LoadedModel
 from jpaged.runner.model_runner import ModelRunner
@@ -33,10 +33,11 @@ class DraftModel:
         self,
         config: EngineConfig,
         draft: LoadedModel,
-        target_vocab_size: int,
-        block_tables: Callable[[Sequence[int]], np.ndarray],
+        target: ModelRunner,
+        blocks: BlockManager,
         **runner_args,
     ) -> None:
+        target_vocab_size = target.model_config.vocab_size
         if jax.process_count() > 1:
             raise ValueError("speculative_config with a draft model runs in one process")
         if draft.config.vocab_size != target_vocab_size:
@@ -47,7 +48,7 @@ class DraftModel:
         own = dataclasses.replace(config, enable_lora=False, speculative_config=None)
         self.runner = ModelRunner(own, draft.config, draft.params, **runner_args)
         self._greedy: dict = {}  # plain greedy sampling tensors, by row count
-        self._tables = block_tables  # the engine's BlockManager.block_tables: the target's and the draft's
+        self._target, self._blocks = target, blocks  # the target's runner, and the blocks both pools mirror
 
     def warmup(self, progress: bool = False) -> float:
         return self.runner.warmup(progress)
@@ -65,17 +66,22 @@ class DraftModel:
             self.runner.copy_blocks(copies)
 
     def propose(self, wanted: list[tuple[SequenceState, int]]) -> list[list[int]]:
-        """k greedy proposals for each (sequence, k); every sequence's slots for its verifying step allocated,
-        and copies of shared blocks among them made, beforehand (the engine's `_draft_proposals`)."""
-        ks = [k for _, k in wanted]
-        order = sorted(
-            (i for i, k in enumerate(ks) if k), key=lambda i: -ks[i]
-        )  # longest first: steps shrink
+        """k greedy proposals for each (sequence, k), after the slots of its verifying step (none where the pool
+        has no room for them) and copies of the shared blocks among them, on both pools."""
+        blocks = self._blocks
+        ks = [
+            k if blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens, 1 + k) else 0 for seq, k in wanted
+        ]
+        copies = blocks.take_pending_copies()
+        self._target.copy_blocks(copies)
+        self.copy_blocks(copies)
+        # The sequences that propose, longest first: each step's are the first rows of the step before.
+        order = sorted((i for i, k in enumerate(ks) if k), key=lambda i: -ks[i])
         proposals: list[list[int]] = [[] for _ in wanted]
         if not order:
             return proposals
         seqs = [wanted[i][0] for i in order]
-        tables = self._tables([seq.seq_id for seq in seqs])
+        tables = blocks.block_tables([seq.seq_id for seq in seqs])
         outputs = []
         for j in range(ks[order[0]]):
             rows = sum(1 for i in order if ks[i] > j)  # the sequences that propose a (j + 1)-th token

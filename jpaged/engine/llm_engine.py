@@ -105,14 +105,12 @@ class LLMEngine:
         self.sampling = StepSampling(
             self.runner.sampling_tensors, (mc.eos_token_ids or (None,))[0], self.constrained.bitmasks
         )
-        self.draft = (
-            None
-            if draft is None
-            else DraftModel(config, draft, mc.vocab_size, self.blocks.block_tables, **size.runner_args)
-        )
+        self.draft = None
+        if draft is not None:
+            self.draft = DraftModel(config, draft, self.runner, self.blocks, **size.runner_args)
         self.speculation = None
         if config.speculative_config is not None:
-            batch_proposer = None if self.draft is None else self._draft_proposals
+            batch_proposer = None if self.draft is None else self.draft.propose
             self.speculation = Speculation(config.speculative_config, config, batch_proposer)
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
@@ -334,20 +332,6 @@ class LLMEngine:
         for request, error in failed:
             logger.warning("request %s: structured outputs: %s", request.request_id, error)
             self._held.append(self.abort_request(request.request_id))
-
-    def _draft_proposals(self, wanted: list[tuple[SequenceState, int]]) -> list[list[int]]:
-        """The draft model's proposals, after the slots of each sequence's verifying step (none where the pool has
-        no room for them) and copies of the shared blocks among them, on both pools."""
-        ready = [
-            (seq, k)
-            for seq, k in wanted
-            if self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens, 1 + k)
-        ]
-        copies = self.blocks.take_pending_copies()
-        self.runner.copy_blocks(copies)
-        self.draft.copy_blocks(copies)
-        proposed = dict(zip((seq.seq_id for seq, _ in ready), self.draft.propose(ready), strict=True))
-        return [proposed.get(seq.seq_id, []) for seq, _ in wanted]
 
     def _speculates(self) -> bool:
         return self.speculation is not None and self.speculation.active(self.scheduler.running)
