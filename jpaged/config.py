@@ -14,7 +14,7 @@ PLATFORM_DEFAULTS = {"cpu": (64, 512), "gpu": (256, 8192), "tpu": (256, 8192)}
 # Whether steps overlap (async_scheduling) where the config leaves it None: measured by scripts/bench_overlap.py.
 ASYNC_SCHEDULING_DEFAULTS = {"cpu": True, "gpu": True, "tpu": True}
 # The attention implementations jpaged.pallas dispatches to; auto picks by platform.
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "mosaic_gpu", "triton", "cpu")
 # vLLM's --runner and --convert: a decoder model runs as a pooling (embedding) model with runner="pooling",
 # convert="embed"; "auto" runner means pooling when convert asks for it, generate otherwise.
 RUNNERS = ("auto", "generate", "pooling")
@@ -133,7 +133,9 @@ class EngineConfig:
     # A mixture of experts' experts split whole over the tensor-parallel devices (E / tp each), attention still
     # split by heads (vLLM's --enable-expert-parallel; runner/expert_parallel.py). No effect at tp 1 or without experts.
     enable_expert_parallel: bool = False
-    attention_impl: str = "auto"  # "reference" (XLA), "pallas" (GPU/TPU) or "cpu" (C++); see ATTENTION_IMPLS
+    attention_impl: str = (
+        "auto"  # "reference" (XLA), "pallas" (GPU/TPU), "mosaic_gpu"/"triton" (GPU), "cpu" (C++)
+    )
     enforce_eager: bool = False  # skip warm-up; buckets compile on first use
     # Schedule step N+1 while step N runs (its sampled tokens feed N+1 on the device); None: the platform's
     # default (ASYNC_SCHEDULING_DEFAULTS).

@@ -6,6 +6,7 @@ A decode step's time is the engine's whole loop (host included): the time of a g
 floor is (weights + the step's KV read) / the copy bandwidth measured here (x + 1 over 2 GiB, read + write).
 
   python scripts/bench_gpu_decode.py --decode llama1b,llama8b --engine llama1b   # on a GPU (bfloat16)
+  python scripts/bench_gpu_decode.py --decode llama8b --engine "" --attention triton,mosaic_gpu   # both kernels
   python scripts/bench_gpu_decode.py --decode tiny --engine tiny --batches 1,8   # a CPU check of the plumbing
 """
 
@@ -78,7 +79,7 @@ def timed_generate(llm: LLM, prompts: np.ndarray, max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def decode_table(name: str, args, dtype, bandwidth: float) -> None:
+def decode_table(name: str, args, dtype, bandwidth: float, attention: str) -> None:
     config = SHAPES[name]
     batches = [int(b) for b in args.batches.split(",")]
     weights = random_weights(config, dtype)
@@ -93,10 +94,12 @@ def decode_table(name: str, args, dtype, bandwidth: float) -> None:
         max_num_batched_tokens=max(max(batches), 2048),
         enable_prefix_caching=False,
         enforce_eager=True,  # only the shapes these batches meet compile, on the untimed first call
+        attention_impl=attention,
     )
     rng = np.random.default_rng(0)
     print(
-        f"\n{name}: {weight_bytes / 1e9:.2f} GB of weights ({jnp.dtype(dtype).name}), context {args.context}"
+        f"\n{name}: {weight_bytes / 1e9:.2f} GB of weights ({jnp.dtype(dtype).name}), context {args.context}, "
+        f"attention {attention}"
     )
     print("| seqs | step ms | floor ms | floor / step | tok/s |")
     print("|---|---|---|---|---|")
@@ -153,6 +156,12 @@ def main() -> None:
     )
     parser.add_argument("--engine", default="llama1b", help="shape for the engine run ('' none)")
     parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument(
+        "--attention",
+        default="pallas",
+        help="attention kernels for the decode table, each its own table "
+        "(pallas: the device's choice; triton, mosaic_gpu: that GPU kernel)",
+    )
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--short", type=int, default=4)
     parser.add_argument("--long", type=int, default=36)
@@ -165,7 +174,8 @@ def main() -> None:
     bandwidth = copy_bandwidth(256 if device.platform == "cpu" else 2048)
     print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (x + 1, read + write)")
     for name in filter(None, args.decode.split(",")):
-        decode_table(name, args, dtype, bandwidth)
+        for attention in args.attention.split(","):
+            decode_table(name, args, dtype, bandwidth, attention)
     if args.engine:
         engine_run(args.engine, args, dtype)
     print("command: python scripts/bench_gpu_decode.py " + " ".join(sys.argv[1:]))

@@ -1,5 +1,5 @@
-"""Benchmark ragged paged attention: the kernel for this backend (Pallas on GPU/TPU, C++ on CPU) against the XLA
-reference.
+"""Benchmark ragged paged attention: the kernels for this backend (on GPU the Triton and the Mosaic GPU kernel, on TPU
+its Pallas kernel, on CPU the C++ one) against the XLA reference.
 
 Three steps at realistic sizes (32 query heads, 8 KV heads, head dim 128, block size 16): decode-only (256
 sequences x 2k context), prefill-only (8 chunks of 1k new tokens after 1k of context) and mixed (248 decodes plus
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.pallas import gpu, mosaic_gpu, tpu
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import library as cpu_library
 from jpaged.pallas.reference import ragged_paged_attention_reference
@@ -112,12 +113,18 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
     return 2 * x.nbytes / median_seconds(jax.jit(lambda a: a + 1), [x], repeats)
 
 
-def kernel_for_backend(backend: str):
+def kernels_for_backend(backend: str, dtype) -> dict[str, object]:
+    """The Pallas kernels to time here: the TPU kernel, or both GPU kernels (Mosaic GPU where its tiles take the
+    dtype; in interpret mode on CPU, where jax >= 0.11's interpreter runs it)."""
     if backend == "tpu":
-        from jpaged.pallas.tpu import ragged_paged_attention
-    else:
-        from jpaged.pallas.gpu import ragged_paged_attention
-    return functools.partial(ragged_paged_attention, interpret=backend == "cpu")
+        return {"pallas": tpu.ragged_paged_attention}
+    kernels = {"triton": gpu.ragged_paged_attention}
+    try:
+        mosaic_gpu.check_layout(NUM_Q_HEADS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype)
+        kernels["mosaic_gpu"] = mosaic_gpu.ragged_paged_attention
+    except ValueError as err:
+        print(f"mosaic_gpu: not timed ({err})")
+    return {name: functools.partial(fn, interpret=backend == "cpu") for name, fn in kernels.items()}
 
 
 def main() -> None:
@@ -140,7 +147,8 @@ def main() -> None:
     if backend == "cpu" and cpu_library.available():
         impls["cpu"] = jax.jit(functools.partial(cpu_attention.ragged_paged_attention, sm_scale=scale))
     if backend != "cpu" or args.interpret:
-        impls["pallas"] = jax.jit(functools.partial(kernel_for_backend(backend), sm_scale=scale))
+        for name, kernel in kernels_for_backend(backend, dtype).items():
+            impls[name] = jax.jit(functools.partial(kernel, sm_scale=scale))
     copy_mib = min(args.copy_mib, 256) if args.small else args.copy_mib
     bandwidth = copy_bandwidth(copy_mib << 20, args.repeats)
 

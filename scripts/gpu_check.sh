@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # One command on a fresh GPU machine (an H200: Python 3.12, jax for CUDA, no network), from the project's root:
-#   bash scripts/gpu_check.sh          (under 8 minutes; on a machine without a GPU it says so and exits)
-# Prints: (a) jax's device and memory; (b) the compiled Triton kernel against the float64 oracle and the XLA
-# reference on the test configurations and a pool past 4 GiB, then the cuda lowering tests, then the grouped
+#   bash scripts/gpu_check.sh          (under 10 minutes; on a machine without a GPU it says so and exits)
+# Prints: (a) jax's device and memory; (b) the compiled Triton and Mosaic GPU kernels against the float64 oracle and
+# the XLA reference on the test configurations and a pool past 4 GiB, then the cuda lowering tests, then the grouped
 # (W4A16 / W8A16 / FP8-block) matmul kernel against a float64 oracle and timed beside XLA's dots; (c)
-# scripts/bench_kernels.py (time and HBM bandwidth per step kind); (d) decode steps of Llama-1B- and 8B-shaped
-# random-weight models at 1/64/256 sequences beside the HBM floor, and one engine's warm-up and throughput; (e)
-# the CPU matmul's AMX tiles, where the host CPU has them.
+# scripts/bench_kernels.py (each kernel's time and HBM bandwidth per step kind); (d) decode steps of Llama-1B- and
+# 8B-shaped random-weight models at 1/64/256 sequences beside the HBM floor, with each GPU kernel, and one engine's
+# warm-up and throughput; (e) the CPU matmul's AMX tiles, where the host CPU has them.
 # Stage (d) needs flax: where it is missing, the wheels of scripts/gpu_wheels.sh (carried in wheels/) are used.
-# Env: PYTHON (default python3), OUT (one log per stage, default ./gpu_check_out), BUDGET_S (default 470),
+# Env: PYTHON (default python3), OUT (one log per stage, default ./gpu_check_out), BUDGET_S (default 560),
 #      DRY_RUN=1 (a CPU check of the plumbing: tiny sizes, interpreted kernel; its figures mean nothing).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LOG=${OUT:-$PWD/gpu_check_out}
-BUDGET_S=${BUDGET_S:-470}
+BUDGET_S=${BUDGET_S:-560}
 DRY=${DRY_RUN:-0}
 START=$(date +%s)
 mkdir -p "$LOG"
@@ -50,11 +50,11 @@ print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, '|', d.device_kind, 
 "
 
 if [ "$DRY" = 1 ]; then
-  stage b_kernel 300 "$PY" scripts/gpu_kernel_check.py --interpret --configs 1 --no-big-pool
+  stage b_kernel 300 "$PY" scripts/gpu_kernel_check.py --interpret --configs 1 --no-big-pool --impls triton
 else
   stage b_kernel 120 "$PY" scripts/gpu_kernel_check.py
 fi
-stage b_lowering 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_lowering.py
+stage b_lowering 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_lowering.py tests/test_mosaic_gpu_attention.py
 if [ "$DRY" = 1 ]; then
   stage b_grouped 120 "$PY" scripts/gpu_grouped_check.py --interpret --small --rows 1,16 --repeats 1
 else
@@ -79,7 +79,7 @@ if [ "$DRY" = 1 ]; then
   stage d_decode_and_engine 300 "$PY" scripts/bench_gpu_decode.py --decode tiny --engine tiny --batches 1,8 \
     --context 64 --requests 8 --prompt-len 16 --output-len 8
 else
-  stage d_decode 200 "$PY" scripts/bench_gpu_decode.py --decode llama1b,llama8b --engine ""
+  stage d_decode 260 "$PY" scripts/bench_gpu_decode.py --decode llama1b,llama8b --engine "" --attention triton,mosaic_gpu
   stage d_engine 150 "$PY" scripts/bench_gpu_decode.py --decode "" --engine llama1b
 fi
 # (e) the host CPU. Where it has AMX (Sapphire Rapids and later; no development machine so far has), the matmul

@@ -1,5 +1,6 @@
-"""The GPU attention kernel compiled (not interpreted) against the float64 numpy oracle and the XLA reference:
-tests/test_pallas_attention.py's GPU configurations (ragged steps of prefill chunks and decodes, GQA, sliding
+"""The GPU attention kernels compiled (not interpreted) against the float64 numpy oracle and the XLA reference: the
+Triton kernel on tests/test_pallas_attention.py's GPU configurations, the Mosaic GPU kernel on
+tests/test_mosaic_gpu_attention.py's (ragged steps of prefill chunks and decodes, GQA, sliding
 window, soft cap, float32 / bfloat16 / float16, stale NaN in slots no sequence owns), through the public entry
 point `jpaged.pallas.ragged_paged_attention(impl="pallas")`; then one step over a pool past 4 GiB per K/V array
 with its pages at the top (64-bit offsets in the kernel's address arithmetic). Exits 1 on any failure.
@@ -22,17 +23,18 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import test_mosaic_gpu_attention as mosaic_cases  # noqa: E402  (the Mosaic GPU kernel's configurations)
 import test_pallas_attention as cases  # noqa: E402  (the suite's configurations, random steps and oracle)
 
 from jpaged.pallas import ragged_paged_attention  # noqa: E402
 from jpaged.pallas.reference import ragged_paged_attention_reference  # noqa: E402
 
 
-def check_config(cfg, interpret: bool) -> bool:
+def check_config(cfg, interpret: bool, impl: str) -> bool:
     options = dict(
         sm_scale=cases.sm_scale(cfg), sliding_window=cfg.sliding_window, logits_soft_cap=cfg.soft_cap
     )
-    kernel = jax.jit(functools.partial(ragged_paged_attention, **options, impl="pallas", interpret=interpret))
+    kernel = jax.jit(functools.partial(ragged_paged_attention, **options, impl=impl, interpret=interpret))
     reference = jax.jit(functools.partial(ragged_paged_attention_reference, **options))
     rng = np.random.default_rng(zlib.crc32(cfg.id.encode()))
     start, errors = time.perf_counter(), []
@@ -56,7 +58,7 @@ def check_config(cfg, interpret: bool) -> bool:
         print(f"  {type(err).__name__}: {str(err)[:800]}")
     seconds = time.perf_counter() - start
     print(
-        f"{'PASS' if ok else 'FAIL'} {cfg.id:48} max rel err {max(errors):.1e} (tol "
+        f"{'PASS' if ok else 'FAIL'} {impl:10} {cfg.id:48} max rel err {max(errors):.1e} (tol "
         f"{cases.TOLERANCE[cfg.dtype]:.0e}), {seconds:.1f} s with compiling",
         flush=True,
     )
@@ -115,10 +117,16 @@ def main() -> None:
     )
     parser.add_argument("--configs", type=int, default=None, help="only the first N GPU configurations")
     parser.add_argument("--no-big-pool", action="store_true")
+    parser.add_argument("--impls", default="triton,mosaic_gpu", help="the GPU kernels to check")
     args = parser.parse_args()
     configs = [getattr(c, "values", (c,))[0] for c in cases.CONFIGS]
-    configs = [c for c in configs if c.kernel == "gpu"][: args.configs]
-    results = [check_config(cfg, args.interpret) for cfg in configs]
+    suites = {
+        "triton": [c for c in configs if c.kernel == "gpu"][: args.configs],
+        "mosaic_gpu": mosaic_cases.CONFIGS[: args.configs],
+    }
+    results = [
+        check_config(cfg, args.interpret, impl) for impl in args.impls.split(",") for cfg in suites[impl]
+    ]
     if not args.no_big_pool:
         results.append(check_big_pool())
     print(

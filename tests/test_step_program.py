@@ -5,7 +5,9 @@ runs without."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.models.llama import abstract_params, init_kv_cache, model_graphdef
 from jpaged.models.products import STACKED
-from jpaged.pallas import gpu
+from jpaged.pallas import gpu, mosaic_gpu
 from jpaged.runner.device_step import bind_step, copy_blocks
 from jpaged.runner.packed_inputs import pack
 from jpaged.runner.sampling_inputs import SamplingWidths, build_sampling_tensors, neutral_wide, split_wide
@@ -62,10 +64,10 @@ def whole_step(config, step, tokens: int, seqs: int, **sampling_options):
     )
 
 
-def gpu_steps(config):
+def gpu_steps(config, attention=gpu.ragged_paged_attention_stacked):
     """The step as a GPU runs it, with every sampling variant the host can choose, in a decode and a prefill
     bucket: (bound step, its abstract args)."""
-    step = bind_step(model_graphdef(config), gpu.ragged_paged_attention_stacked, STACKED, branch_free=True)
+    step = bind_step(model_graphdef(config), attention, STACKED, branch_free=True)
     for tokens, seqs in ((8, 8), (64, 4)):
         for truncation in (False, True):
             yield whole_step(config, step, tokens, seqs, truncation=truncation)
@@ -90,6 +92,20 @@ def test_the_gpu_step_exported_for_cuda_has_no_conditional(tiny_llama):
     for bound, args in gpu_steps(tiny_llama.config):
         text = export_text(bound, "cuda", args)
         assert TRITON_CALL in text
+        assert "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+def test_the_gpu_step_with_the_mosaic_gpu_kernel_exported_for_cuda_calls_no_triton_and_has_no_conditional(
+    tiny_llama, monkeypatch
+):
+    """What Hopper runs where jax has no Triton backend left (its import made to fail here)."""
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+    config = dataclasses.replace(
+        tiny_llama.config, head_dim=64
+    )  # the kernel's wgmma tiles take 64-element rows
+    for bound, args in gpu_steps(config, mosaic_gpu.ragged_paged_attention_stacked):
+        text = export_text(bound, "cuda", args)
+        assert mosaic_gpu.KERNEL_CALL in text and TRITON_CALL not in text
         assert "stablehlo.case" not in text and "stablehlo.if" not in text
 
 

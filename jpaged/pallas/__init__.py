@@ -3,8 +3,10 @@
 `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, query_start, num_seqs, *, sm_scale,
 sliding_window=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0, sinks=None, interpret=False, impl="auto")`
 is the entry point: the same contract on every backend (shapes in reference.py), dispatched by backend and
-`impl`. Implementations: `reference` (XLA), `pallas` (the GPU kernel, gpu.py, or the TPU kernel, tpu.py;
-interpret mode on CPU, for tests) and `cpu` (C++ kernels called through XLA's FFI, built on first use; cpu/). The
+`impl`. Implementations: `reference` (XLA), `pallas` (on a GPU the Mosaic GPU kernel, mosaic_gpu.py, or the Triton
+kernel, gpu.py, as `gpu_kernel_for` picks; on a TPU the TPU kernel, tpu.py; the Triton kernel in interpret mode on
+CPU, for tests), `mosaic_gpu` and `triton` (that GPU kernel, whatever the device; interpret mode on CPU) and `cpu`
+(C++ kernels called through XLA's FFI, built on first use; cpu/). The
 model calls the *stacked* form,
 `fn(q, k_cache, v_cache, layer, ...)` over a cache `[L, N, B, Hk, D]`, which `get_attention_fn` builds for the
 chosen implementation; common.py holds what the kernels share.
@@ -55,6 +57,10 @@ def resolve_attention_impl(impl: str, *, head_dim: int, dtype, backend: str | No
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     backend = backend or jax.default_backend()
+    if impl in ("mosaic_gpu", "triton") and backend not in ("gpu", "cpu"):
+        raise ValueError(
+            f"attention_impl={impl!r} is a GPU kernel (interpret mode on CPU), not one for {backend}"
+        )
     if impl not in ("auto", "cpu"):
         return impl
     if backend != "cpu":
@@ -73,26 +79,83 @@ def resolve_attention_impl(impl: str, *, head_dim: int, dtype, backend: str | No
     return "cpu"
 
 
-def _pallas_kernel(backend: str) -> Callable:
-    """The stacked-cache kernel: it reads the layer inside the kernel, so no layer of the pool is copied."""
-    if backend == "tpu":
+def gpu_compute_capability() -> str | None:
+    """The first GPU's compute capability ("9.0" on Hopper), None where jax names none."""
+    return getattr(jax.devices()[0], "compute_capability", None)
+
+
+def gpu_kernel_for(
+    compute_capability: str | None,
+    *,
+    num_q_heads: int | None,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype,
+) -> tuple[str, str]:
+    """`pallas` on a GPU: ("mosaic_gpu" | "triton", why). Mosaic GPU on Hopper (compute capability 9.x) where its
+    wgmma tiles fit the cache's layout; Triton before Hopper, on Blackwell (the kernel's products are Hopper's
+    wgmma, which sm_100 lacks) and for layouts the tiles do not fit."""
+    from jpaged.pallas import mosaic_gpu
+
+    major = int(float(compute_capability)) if compute_capability else 0
+    if major != 9:
+        return (
+            "triton",
+            f"the Mosaic GPU kernel multiplies with Hopper's wgmma, which compute capability {compute_capability} lacks",
+        )
+    try:
+        mosaic_gpu.check_layout(num_q_heads or num_kv_heads, num_kv_heads, block_size, head_dim, dtype)
+    except ValueError as err:
+        return "triton", str(err)
+    return "mosaic_gpu", f"compute capability {compute_capability}"
+
+
+def _pallas_kernel(impl: str) -> Callable:
+    """The stacked-cache kernel: it reads the layer inside the kernel, so no layer of the pool is copied. Each
+    module is imported only when chosen: a jax without the Triton backend still builds the Mosaic GPU step."""
+    if impl == "tpu":
         from jpaged.pallas.tpu import ragged_paged_attention_stacked
+    elif impl == "mosaic_gpu":
+        from jpaged.pallas.mosaic_gpu import ragged_paged_attention_stacked
     else:
         from jpaged.pallas.gpu import ragged_paged_attention_stacked
     return ragged_paged_attention_stacked
 
 
 def get_attention_fn(
-    impl: str = "auto", *, num_kv_heads: int, block_size: int, head_dim: int, dtype, interpret: bool = False
+    impl: str = "auto",
+    *,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype,
+    interpret: bool = False,
+    num_q_heads: int | None = None,
+    kv_dtype=None,
+    compute_capability: str | None = None,
 ) -> Callable:
     """The stacked-cache attention callable for `impl` on the current backend and this cache layout; `interpret`
-    runs a Pallas kernel in interpret mode (it always does on CPU)."""
+    runs a Pallas kernel in interpret mode (it always does on CPU). `kv_dtype` is the pages' (default `dtype`);
+    `compute_capability` names the GPU the step is built for (default: the first device's)."""
     backend = jax.default_backend()
     impl = resolve_attention_impl(impl, head_dim=head_dim, dtype=dtype, backend=backend)
     if impl == "reference":
         return paged_attention_stacked
     if impl == "cpu":
         return cpu_attention.ragged_paged_attention_stacked
+    if impl == "pallas" and backend == "gpu":
+        impl, why = gpu_kernel_for(
+            compute_capability or gpu_compute_capability(),
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            head_dim=head_dim,
+            dtype=kv_dtype or dtype,
+        )
+        logger.info(
+            "GPU attention: the %s kernel (%s)", "Mosaic GPU" if impl == "mosaic_gpu" else "Triton", why
+        )
     if backend == "tpu":
         from jpaged.pallas.tpu import check_tpu_layout
 
@@ -103,7 +166,8 @@ def get_attention_fn(
                 raise
             logger.warning("TPU kernel cannot lay out this cache (%s); using the XLA reference", err)
             return paged_attention_stacked
-    return functools.partial(_pallas_kernel(backend), interpret=interpret or backend == "cpu")
+    kernel = "tpu" if backend == "tpu" else impl
+    return functools.partial(_pallas_kernel(kernel), interpret=interpret or backend == "cpu")
 
 
 def ragged_paged_attention(

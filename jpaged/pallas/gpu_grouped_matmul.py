@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 CODE_BITS = (4, 8)
 _MAX_STEP = 128  # inputs a step of the K walk
@@ -116,8 +115,15 @@ def matmul(
         in_specs=[whole(a.shape) for a in (x, codes, scale, bias)],
         out_specs=whole((padded, n)),
         out_shape=jax.ShapeDtypeStruct((padded, n), out_dtype or x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=_triton_params(),
         interpret=interpret,
         name="grouped_matmul",
     )(x, codes, scale, bias)
     return out[:m]
+
+
+def _triton_params():
+    """Imported where used: a jax without the Triton backend still imports the engine (and its Mosaic GPU step)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=4, num_stages=2)

@@ -25,6 +25,7 @@ from jpaged.models.llama import KVCache, init_kv_cache, model_graphdef, params_d
 from jpaged.models.lora import ADAPTERS, XLA_LORA
 from jpaged.models.lora_weights import lora_shapes
 from jpaged.pallas import get_attention_fn, resolve_attention_impl
+from jpaged.pallas.common import FP8_PAGES
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import huge_pages
 from jpaged.rounding import cdiv
@@ -454,7 +455,9 @@ class ModelRunner:
 def attention_for(config: EngineConfig, model_config: ModelConfig, impl: str, dtype) -> Callable:
     return get_attention_fn(
         impl,
+        num_q_heads=model_config.num_heads,
         num_kv_heads=model_config.num_kv_heads,
+        kv_dtype=FP8_PAGES if config.fp8_kv_cache else dtype,
         block_size=config.block_size,
         head_dim=model_config.head_dim,
         dtype=dtype,

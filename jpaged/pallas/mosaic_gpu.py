@@ -1,0 +1,345 @@
+"""Ragged paged attention for Hopper and later on Mosaic GPU (`plgpu.kernel`): mixed prefill chunks and decodes.
+
+Shapes (letters as in jpaged.pallas.reference; G = Hq // Hk): the kernel works on query tiles of ROWS = 64 rows,
+wgmma's M, each packing `ROWS // G` consecutive tokens of ONE sequence times the G query heads that share a KV head.
+XLA lays the queries out as tiles before the launch (`[Hk, tiles, ROWS, D]`, padding rows zero) and gathers the
+output tiles back to `[T, Hq, D]` after it, so every copy the kernel makes is a whole TMA box and no tile ever
+writes a row another tile owns. Sequence s owns tiles `query_start[s] // tile_tokens + s` onwards, as in the Triton
+kernel; the tile-to-sequence map is computed by XLA too (a tile no sequence owns is marked -1 and exits at once).
+
+The grid is (Hk, tiles). A program copies its query tile into shared memory, then walks its sequence's KV positions
+in steps of KV_TOKENS (64, or one page when pages are longer): each step's pages come through the block table by
+TMA copies into one of STAGES shared-memory slots, the copies for step i + STAGES - 1 issued before step i is
+computed. Scores are one wgmma (`q @ k.T`), the softmax is online in float32 registers, and `p @ v` a second
+wgmma with p staged in shared memory. V rows past the sequence's end are zeroed in shared memory before that wgmma,
+so stale cache contents (even NaN) never reach the output.
+
+What it takes: 16-bit queries and pages (bfloat16, float16), head dims a multiple of 64 (the 128-byte swizzle of
+a 16-bit row), GQA groups of at most ROWS heads and power-of-two pages (8-128 tokens). `check_layout` says which
+condition a shape misses; the dispatcher then takes the Triton kernel for it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jpaged.pallas.common import (
+    NEG_INF,
+    check_inputs,
+    floats_operand,
+    over_pages,
+    unbounded_if_none,
+    window_operand,
+)
+
+ROWS = 64  # wgmma's M: query rows (tokens x GQA heads) of one tile
+KV_TOKENS = 64  # keys a step attends to (at least one page)
+STAGES = 2  # shared-memory slots of the KV pipeline
+SWIZZLE = 128  # bytes: a 16-bit row of 64 elements
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+KERNEL_CALL = "mosaic_gpu_v2"  # the custom call a Mosaic GPU kernel lowers to
+
+
+def check_layout(num_q_heads: int, num_kv_heads: int, block_size: int, head_dim: int, dtype) -> None:
+    """Raises ValueError naming the condition a cache layout misses for this kernel's wgmma tiles."""
+    if jnp.dtype(dtype) not in DTYPES:
+        raise ValueError(
+            f"the Mosaic GPU kernel takes bfloat16 or float16 queries and pages, not {jnp.dtype(dtype)}"
+        )
+    if head_dim % 64:
+        raise ValueError(f"the Mosaic GPU kernel needs a head dim that is a multiple of 64, not {head_dim}")
+    if num_q_heads // num_kv_heads > ROWS:
+        raise ValueError(f"the Mosaic GPU kernel packs at most {ROWS} query heads a KV head")
+    if block_size not in (8, 16, 32, 64, 128):
+        raise ValueError(
+            f"the Mosaic GPU kernel needs pages of 8-128 tokens (a power of two), not {block_size}"
+        )
+
+
+def interpret_params(detect_races: bool = True):
+    """GPU interpret mode's parameters (jax >= 0.11 exports them from plgpu; jax 0.10 keeps them private)."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params(detect_races=detect_races)
+
+
+def _swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+    """A shared-memory buffer in the layout wgmma reads: 8 x 64 tiles, 128-byte swizzle."""
+    transforms = (
+        plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(SWIZZLE),
+    )
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _kernel(
+    ints_ref,  # [2]: layer, window (<= 0: none)
+    floats_ref,  # [2 (+ Hq)]: k_scale, v_scale (then each query head's sink)
+    kv_lens_ref,  # [S]
+    block_tables_ref,  # [S, P]
+    query_start_ref,  # [S + 1]
+    tile_seq_ref,  # [tiles]: the sequence a tile serves, -1 for none
+    tile_first_ref,  # [tiles]: the tile's first token within its sequence
+    q_ref,  # [Hk, tiles, ROWS, D]
+    k_ref,  # [L, N, B, Hk, D]
+    v_ref,
+    o_ref,  # [Hk, tiles, ROWS, D]
+    q_smem,
+    k_smem,  # [STAGES, kv_tokens, D]
+    v_smem,
+    p_smem,  # [ROWS, kv_tokens]
+    q_barrier,
+    k_barriers,
+    v_barriers,
+    *,
+    sm_scale: float,
+    windowed: bool,
+    soft_cap: float | None,
+    has_sinks: bool,
+    group: int,
+    kv_tokens: int,
+):
+    block_size = k_ref.shape[2]
+    table_width = block_tables_ref.shape[1]
+    pages_per_step = kv_tokens // block_size
+    tile_tokens = ROWS // group
+    kv_head, tile = lax.axis_index("kv_heads"), lax.axis_index("tiles")
+    seq = tile_seq_ref[tile]
+
+    @pl.when(seq >= 0)
+    def _attend():
+        layer = ints_ref[0]
+        first = tile_first_ref[tile]
+        q_len = query_start_ref[seq + 1] - query_start_ref[seq]
+        kv_len = kv_lens_ref[seq]
+        context = kv_len - q_len  # keys before the chunk's first query
+        kv_end = context + jnp.minimum(first + tile_tokens, q_len)  # one past the last visible key
+        kv_begin = jnp.int32(0)
+        if windowed:
+            window = unbounded_if_none(ints_ref[1])
+            kv_begin = jnp.maximum(context + first - window + 1, 0)
+            kv_begin = lax.div(kv_begin, jnp.int32(kv_tokens)) * kv_tokens
+        num_steps = lax.div(kv_end - kv_begin + kv_tokens - 1, jnp.int32(kv_tokens))
+
+        plgpu.copy_gmem_to_smem(q_ref.at[kv_head, tile], q_smem, q_barrier)
+
+        def fetch(step, slot):
+            """Issue the copies of step `step`'s pages into slot `slot` (a page past the sequence reads block 0,
+            whose keys are masked and values zeroed)."""
+            for j in range(pages_per_step):
+                position = kv_begin + step * kv_tokens + j * block_size
+                page = jnp.minimum(lax.div(position, jnp.int32(block_size)), table_width - 1)
+                block = jnp.where(position < kv_len, block_tables_ref[seq, page], 0)
+                rows = pl.ds(j * block_size, block_size)
+                plgpu.copy_gmem_to_smem(
+                    k_ref.at[layer, block, :, kv_head], k_smem.at[slot, rows], k_barriers.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    v_ref.at[layer, block, :, kv_head], v_smem.at[slot, rows], v_barriers.at[slot]
+                )
+
+        for stage in range(STAGES - 1):
+            pl.when(stage < num_steps)(functools.partial(fetch, stage, stage))
+
+        row = plgpu.broadcasted_iota(jnp.int32, (ROWS, kv_tokens), 0, layout=plgpu.Layout.WGMMA)
+        column = plgpu.broadcasted_iota(jnp.int32, (ROWS, kv_tokens), 1, layout=plgpu.Layout.WGMMA)
+        q_position = context + first + row // group
+        score_scale = sm_scale * floats_ref[0]
+
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        m_start = plgpu.layout_cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row_layout)
+        l_start = plgpu.layout_cast(jnp.full((ROWS,), 1.0 if has_sinks else 0.0, jnp.float32), row_layout)
+        if has_sinks:  # each row's softmax starts from its head's sink: running max the sink, running sum 1
+            head = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=row_layout) % group
+            for g in range(group):
+                m_start = jnp.where(head == g, floats_ref[2 + kv_head * group + g], m_start)
+        acc_start = plgpu.layout_cast(jnp.zeros((ROWS, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+        plgpu.barrier_wait(q_barrier)
+
+        def step(i, carry):
+            acc, m, denom = carry
+            slot = lax.rem(i, jnp.int32(STAGES))
+            ahead = i + STAGES - 1  # into the slot step i - 1 has finished with
+            pl.when(ahead < num_steps)(lambda: fetch(ahead, lax.rem(ahead, jnp.int32(STAGES))))
+            plgpu.barrier_wait(k_barriers.at[slot])
+
+            def scores_of(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                return acc_ref[...]
+
+            scores = pl.run_scoped(scores_of, plgpu.ACC((ROWS, kv_tokens), jnp.float32)) * score_scale
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            k_position = kv_begin + i * kv_tokens + column
+            visible = (k_position <= q_position) & (k_position < kv_len)
+            if windowed:
+                visible &= k_position > q_position - window
+            scores = jnp.where(visible, scores, NEG_INF)
+            m_new = jnp.maximum(m, scores.max(axis=1))
+            correction = jnp.exp(m - m_new)
+            p = jnp.where(visible, jnp.exp(scores - lax.broadcast_in_dim(m_new, scores.shape, [0])), 0.0)
+            denom = denom * correction + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.barrier_wait(v_barriers.at[slot])
+
+            @pl.when(kv_begin + (i + 1) * kv_tokens > kv_len)
+            def _zero_stale_values():  # p is 0 there, but 0 x NaN is not
+                values = v_smem.at[slot]
+                key = plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=plgpu.Layout.WGMMA)
+                stale = kv_begin + i * kv_tokens + key >= kv_len
+                values[...] = jnp.where(stale, 0, values[...])
+
+            plgpu.commit_smem()
+
+            def values_of(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            acc = acc + pl.run_scoped(values_of, plgpu.ACC(acc.shape, jnp.float32))
+            return acc, m_new, denom
+
+        acc, _, denom = lax.fori_loop(0, num_steps, step, (acc_start, m_start, l_start))
+        scale = floats_ref[1] / jnp.where(denom > 0, denom, 1.0)
+        q_smem[...] = (acc * lax.broadcast_in_dim(scale, acc.shape, [0])).astype(q_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[kv_head, tile])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def tile_map(query_start: jax.Array, num_seqs: jax.Array, tile_tokens: int, num_tiles: int):
+    """Each tile's sequence (-1: none) and first token within it: sequence s owns `ceil(q_len / tile_tokens)`
+    tiles from `query_start[s] // tile_tokens + s`."""
+    num_slots = query_start.shape[0] - 1
+    slots = jnp.arange(num_slots, dtype=jnp.int32)
+    first_tile = jnp.where(slots < num_seqs[0], query_start[:-1] // tile_tokens + slots, jnp.int32(1 << 30))
+    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(first_tile, tiles, side="right").astype(jnp.int32) - 1, 0, num_slots - 1)
+    first = (tiles - first_tile[seq]) * tile_tokens
+    q_len = query_start[seq + 1] - query_start[seq]
+    owned = (tiles >= first_tile[0]) & (first < q_len) & (num_seqs[0] > 0)
+    return jnp.where(owned, seq, -1), jnp.where(owned, first, 0)
+
+
+def ragged_paged_attention_stacked(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | jax.Array | None = None,
+    logits_soft_cap: float | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
+    sinks: jax.Array | None = None,
+    interpret=False,
+) -> jax.Array:
+    """Attention over layer `layer` of a stacked cache `[L, N, B, Hk, D]`, read in place (no per-layer copy).
+
+    `interpret`: True (or GPU interpret mode's parameters) runs the kernel in JAX's GPU interpret mode on the CPU.
+    """
+    check_inputs(
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start,
+        num_seqs,
+        sliding_window,
+        logits_soft_cap,
+        k_scale,
+        v_scale,
+        sinks,
+    )
+    if k_cache.ndim != 5:
+        raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = k_cache.shape
+    check_layout(num_q_heads, num_kv_heads, block_size, head_dim, k_cache.dtype)
+    group = num_q_heads // num_kv_heads
+    tile_tokens = ROWS // group
+    num_tiles = pl.cdiv(num_tokens, tile_tokens) + kv_lens.shape[0]
+    kv_tokens = max(KV_TOKENS, block_size)
+    tile_seq, tile_first = tile_map(query_start, num_seqs, tile_tokens, num_tiles)
+
+    # Query tiles: row r of tile t holds token `first + r // group` of the tile's sequence, head `r % group` of
+    # the KV head's group; rows past the tile's tokens (or the sequence's) are zero.
+    row = jnp.arange(ROWS, dtype=jnp.int32)
+    token_in_seq = tile_first[:, None] + row // group  # [tiles, ROWS]
+    seq = jnp.maximum(tile_seq, 0)[:, None]
+    row_live = (
+        (tile_seq[:, None] >= 0)
+        & (row < tile_tokens * group)
+        & (token_in_seq < query_start[seq + 1] - query_start[seq])
+    )
+    token = jnp.where(row_live, query_start[seq] + token_in_seq, 0)
+    grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    q_tiles = grouped[token, :, (row % group)[None, :]]  # [tiles, ROWS, Hk, D]
+    q_tiles = jnp.where(row_live[..., None, None], q_tiles, 0).transpose(2, 0, 1, 3)
+
+    tiles_out = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            sm_scale=float(sm_scale),
+            windowed=sliding_window is not None,
+            soft_cap=logits_soft_cap,
+            has_sinks=sinks is not None,
+            group=group,
+            kv_tokens=kv_tokens,
+        ),
+        out_type=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
+        grid=(num_kv_heads, num_tiles),
+        grid_names=("kv_heads", "tiles"),
+        scratch_types=[
+            _swizzled((ROWS, head_dim), q.dtype),
+            _swizzled((STAGES, kv_tokens, head_dim), q.dtype),
+            _swizzled((STAGES, kv_tokens, head_dim), q.dtype),
+            _swizzled((ROWS, kv_tokens), q.dtype),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=STAGES),
+        ],
+        interpret=interpret_params() if interpret is True else (interpret or None),
+        kernel_name="ragged_paged_attention_mgpu",
+    )(
+        jnp.concatenate([jnp.reshape(layer, (1,)).astype(jnp.int32), window_operand(sliding_window)]),
+        floats_operand(k_scale, v_scale, sinks),
+        kv_lens,
+        block_tables,
+        query_start,
+        tile_seq,
+        tile_first,
+        q_tiles,
+        k_cache,
+        v_cache,
+    )
+
+    # Back to [T, Hq, D]: token tau of sequence s (position p in it) sits in tile first_tile[s] + p // tile_tokens,
+    # row (p % tile_tokens) * group + g; tokens past the last sequence (bucket padding) are zero.
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    live_end = query_start[num_seqs[0]]
+    token_seq = jnp.clip(
+        jnp.searchsorted(query_start, tokens, side="right").astype(jnp.int32) - 1, 0, kv_lens.shape[0] - 1
+    )
+    position = tokens - query_start[token_seq]
+    token_tile = query_start[token_seq] // tile_tokens + token_seq + position // tile_tokens
+    token_row = (position % tile_tokens)[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
+    out = tiles_out[:, jnp.clip(token_tile, 0, num_tiles - 1)[:, None], token_row]  # [Hk, T, G, D]
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    return jnp.where((tokens < live_end)[:, None, None], out, 0).astype(q.dtype)
+
+
+ragged_paged_attention = over_pages(ragged_paged_attention_stacked)
