@@ -13,18 +13,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.pallas import gpu, resolve_attention_impl, tpu
+from jpaged.pallas import gpu, resolve_attention_impl, split_kv, tpu
 from jpaged.pallas.cpu import attention as cpu
 from jpaged.pallas.reference import ragged_paged_attention_reference
 
 
 def test_small_decode_buckets_split_the_kv_range_and_large_or_prefill_ones_do_not():
     # SmolLM2 (3 KV heads) at one sequence and a 4k context: 3 programs without splitting.
-    assert gpu.choose_num_splits(num_tokens=1, num_seq_slots=1, num_kv_heads=3, max_kv_len=4096) == 8
-    assert gpu.choose_num_splits(num_tokens=8, num_seq_slots=8, num_kv_heads=8, max_kv_len=4096) == 4
-    assert gpu.choose_num_splits(num_tokens=256, num_seq_slots=256, num_kv_heads=8, max_kv_len=4096) == 1
-    assert gpu.choose_num_splits(num_tokens=1, num_seq_slots=1, num_kv_heads=8, max_kv_len=512) == 1  # short
-    assert gpu.choose_num_splits(num_tokens=2048, num_seq_slots=8, num_kv_heads=3, max_kv_len=4096) == 1
+    assert split_kv.choose_num_splits(num_tokens=1, num_seq_slots=1, num_kv_heads=3, max_kv_len=4096) == 8
+    assert split_kv.choose_num_splits(num_tokens=8, num_seq_slots=8, num_kv_heads=8, max_kv_len=4096) == 4
+    assert split_kv.choose_num_splits(num_tokens=256, num_seq_slots=256, num_kv_heads=8, max_kv_len=4096) == 1
+    assert (
+        split_kv.choose_num_splits(num_tokens=1, num_seq_slots=1, num_kv_heads=8, max_kv_len=512) == 1
+    )  # short
+    assert split_kv.choose_num_splits(num_tokens=2048, num_seq_slots=8, num_kv_heads=3, max_kv_len=4096) == 1
 
 
 def test_decode_heavy_buckets_take_short_tiles_and_prefill_buckets_tall_ones():

@@ -103,6 +103,24 @@ def test_kernel_matches_float64_numpy_on_random_ragged_steps(cfg):
 
 
 @needs_transposing_interpreter
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_split_kv_decode_matches_float64_numpy(num_splits):
+    """Each sequence's KV range split `num_splits` ways (some splits see no key at all; the sinks join the first
+    split's softmax only) and combined; stale NaN in the cache and bucket padding as elsewhere."""
+    cfg = Config("mosaic", "bfloat16", 16, 2, 4, 64, DECODE, sliding_window=150)
+    rng = np.random.default_rng(zlib.crc32(f"split-{num_splits}".encode()))
+    options = dict(sm_scale=sm_scale(cfg), sliding_window=cfg.sliding_window, num_splits=num_splits)
+    kernel = jax.jit(functools.partial(mosaic_gpu.ragged_paged_attention, **options, interpret=True))
+    sinks = rng.normal(1.0, 2.0, cfg.num_kv_heads * cfg.group).astype(np.float32)
+    for stale in (None, np.nan):
+        step = draw_step(rng, cfg, stale_value=stale)
+        args = device_args(step, cfg.dtype)
+        out = np.asarray(interpreted(lambda a=args: kernel(*a, sinks=jnp.asarray(sinks))).astype(jnp.float32))
+        assert np.isfinite(out).all()
+        assert relative_error(out, oracle(cfg, args, sinks=sinks), step) < TOLERANCE
+
+
+@needs_transposing_interpreter
 def test_stale_nan_in_unowned_cache_slots_never_reaches_the_output():
     """Whole pages past a sequence's end, and the tails of partial ones, are copied in: none may leak."""
     cfg = CONFIGS[0]
@@ -187,9 +205,10 @@ H100 = "9.0"
 EXPORTED_MODELS = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128), "gemma2-2b": (8, 4, 256)}
 
 
-@pytest.mark.parametrize("bucket", ["decode", "prefill"])
+@pytest.mark.parametrize("bucket", ["decode", "decode-few", "prefill"])
 @pytest.mark.parametrize("model", list(EXPORTED_MODELS))
 def test_kernel_lowers_to_mosaic_gpu_for_cuda(model, bucket):
+    """ "decode-few" (8 sequences) splits each KV range (split_kv.choose_num_splits)."""
     fn = functools.partial(
         mosaic_gpu.ragged_paged_attention, sm_scale=0.125, sliding_window=1024, logits_soft_cap=30.0
     )

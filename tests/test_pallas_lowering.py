@@ -23,7 +23,7 @@ from jpaged.pallas import gpu, tpu
 MOSAIC_TPU_CALL = "tpu_custom_call"  # stable, exportable without disabling any check
 
 BLOCK_SIZE = 16
-# (tokens T, sequence slots S); "decode-few" splits the KV range on GPU (pallas.gpu.choose_num_splits)
+# (tokens T, sequence slots S); "decode-few" splits the KV range on GPU (pallas.split_kv.choose_num_splits)
 BUCKETS = {"decode": (256, 256), "decode-few": (8, 8), "prefill": (2048, 8)}
 MAX_MODEL_LEN = 4096
 # (query heads, KV heads, head dim) of models the engine serves; TPU needs tileable KV head counts.

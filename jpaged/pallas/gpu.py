@@ -22,10 +22,9 @@ combine counts it once.
 
 Tilings are static: a decode-heavy step (T <= 2 S) uses 16-row tiles, anything else 64-row tiles.
 
-Split-KV (flash-decoding): a decode bucket with few sequence slots would give the GPU only Hk x S programs (3 x 1
-for SmolLM2 at batch 1, on an H200's 132 SMs), so its KV range is split `num_splits` ways, a third grid axis; each
-program keeps its softmax's running max, sum and unnormalised output for its part, and XLA combines the parts.
-The bucket decides (`choose_num_splits`), from its shapes only.
+Split-KV (flash-decoding, split_kv.py): a decode bucket with few sequence slots splits its KV range `num_splits`
+ways, a third grid axis; each program keeps its softmax's running max, sum and unnormalised output for its part,
+and XLA combines the parts.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from jpaged.pallas.common import (
     unbounded_if_none,
     window_operand,
 )
+from jpaged.pallas.split_kv import choose_num_splits, combine_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +62,6 @@ class GpuTiling:
 
 DECODE_TILING = GpuTiling(rows=16, kv_tokens=128)
 PREFILL_TILING = GpuTiling(rows=64, kv_tokens=64)
-TARGET_PROGRAMS = 256  # about two per SM of an H200 (132 SMs): what split-KV fills a small decode step up to
-MAX_SPLITS = 16
-MIN_SPLIT_KEYS = 512  # keys a split must have at full context to be worth its share of the combine
 
 
 def choose_tiling(num_tokens: int, num_seq_slots: int, group: int) -> GpuTiling:
@@ -73,15 +70,6 @@ def choose_tiling(num_tokens: int, num_seq_slots: int, group: int) -> GpuTiling:
     if group > tiling.rows:  # a tile must hold at least one token's whole GQA group
         tiling = dataclasses.replace(tiling, rows=pl.next_power_of_2(group))
     return tiling
-
-
-def choose_num_splits(num_tokens: int, num_seq_slots: int, num_kv_heads: int, max_kv_len: int) -> int:
-    """How many ways a decode bucket splits each sequence's KV range: enough programs to fill the GPU, each split
-    with at least MIN_SPLIT_KEYS keys at the bucket's longest context; 1 (no split) for prefill buckets."""
-    if num_tokens > 2 * num_seq_slots:
-        return 1
-    splits = min(MAX_SPLITS, max_kv_len // MIN_SPLIT_KEYS, TARGET_PROGRAMS // (num_kv_heads * num_seq_slots))
-    return 1 << (splits.bit_length() - 1) if splits >= 2 else 1
 
 
 def _kernel(
@@ -321,16 +309,7 @@ def ragged_paged_attention_stacked(
     )(*inputs)
     if num_splits == 1:
         return results[0][:num_tokens]
-    return _combine_splits(*results)[:num_tokens].astype(q.dtype)
-
-
-def _combine_splits(acc: jax.Array, maxima: jax.Array, sums: jax.Array) -> jax.Array:
-    """One softmax from the splits' parts: acc [K, T, Hq, D] unnormalised, maxima and sums [K, T, Hq]."""
-    peak = jnp.max(maxima, axis=0)
-    weights = jnp.exp(maxima - peak)  # a split that saw no key has max NEG_INF and sum 0: weight 0 or no sum
-    total = jnp.sum(sums * weights, axis=0)
-    out = jnp.sum(acc * weights[..., None], axis=0)
-    return out / jnp.where(total > 0, total, 1.0)[..., None]
+    return combine_splits(*results)[:num_tokens].astype(q.dtype)
 
 
 ragged_paged_attention = over_pages(ragged_paged_attention_stacked)

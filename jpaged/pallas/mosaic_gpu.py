@@ -14,6 +14,9 @@ computed. Scores are one wgmma (`q @ k.T`), the softmax is online in float32 reg
 wgmma with p staged in shared memory. V rows past the sequence's end are zeroed in shared memory before that wgmma,
 so stale cache contents (even NaN) never reach the output.
 
+Split-KV (split_kv.py): a decode bucket with few sequence slots splits each KV range `num_splits` ways, a third
+grid axis; each part is written normalised by its own sum, with its running max and sum, and XLA combines them.
+
 What it takes: 16-bit queries and pages (bfloat16, float16), head dims a multiple of 64 (the 128-byte swizzle of
 a 16-bit row), GQA groups of at most ROWS heads and power-of-two pages (8-128 tokens). `check_layout` says which
 condition a shape misses; the dispatcher then takes the Triton kernel for it.
@@ -37,6 +40,7 @@ from jpaged.pallas.common import (
     unbounded_if_none,
     window_operand,
 )
+from jpaged.pallas.split_kv import choose_num_splits, combine_splits
 
 ROWS = 64  # wgmma's M: query rows (tokens x GQA heads) of one tile
 KV_TOKENS = 64  # keys a step attends to (at least one page)
@@ -90,27 +94,38 @@ def _kernel(
     q_ref,  # [Hk, tiles, ROWS, D]
     k_ref,  # [L, N, B, Hk, D]
     v_ref,
-    o_ref,  # [Hk, tiles, ROWS, D]
-    q_smem,
-    k_smem,  # [STAGES, kv_tokens, D]
-    v_smem,
-    p_smem,  # [ROWS, kv_tokens]
-    q_barrier,
-    k_barriers,
-    v_barriers,
-    *,
+    *refs,
     sm_scale: float,
     windowed: bool,
     soft_cap: float | None,
     has_sinks: bool,
     group: int,
     kv_tokens: int,
+    num_splits: int,
 ):
+    """`refs`: the outputs, then scratch. With one split the output is o [1, Hk, tiles, ROWS, D]; with several,
+    o (each split's part normalised by its own sum) and that part's running max and sum [K, Hk, tiles, ROWS]."""
+    if num_splits == 1:
+        (o_ref, q_smem, k_smem, v_smem, p_smem, q_barrier, k_barriers, v_barriers) = refs
+    else:
+        (
+            o_ref,
+            max_ref,
+            sum_ref,
+            q_smem,
+            k_smem,
+            v_smem,
+            p_smem,
+            q_barrier,
+            k_barriers,
+            v_barriers,
+            row_smem,
+        ) = refs
     block_size = k_ref.shape[2]
     table_width = block_tables_ref.shape[1]
     pages_per_step = kv_tokens // block_size
     tile_tokens = ROWS // group
-    kv_head, tile = lax.axis_index("kv_heads"), lax.axis_index("tiles")
+    kv_head, tile, split = lax.axis_index("kv_heads"), lax.axis_index("tiles"), lax.axis_index("splits")
     seq = tile_seq_ref[tile]
 
     @pl.when(seq >= 0)
@@ -127,6 +142,9 @@ def _kernel(
             kv_begin = jnp.maximum(context + first - window + 1, 0)
             kv_begin = lax.div(kv_begin, jnp.int32(kv_tokens)) * kv_tokens
         num_steps = lax.div(kv_end - kv_begin + kv_tokens - 1, jnp.int32(kv_tokens))
+        steps_per_split = lax.div(num_steps + num_splits - 1, jnp.int32(num_splits))
+        first_step = split * steps_per_split
+        last_step = jnp.minimum(first_step + steps_per_split, num_steps)
 
         plgpu.copy_gmem_to_smem(q_ref.at[kv_head, tile], q_smem, q_barrier)
 
@@ -138,15 +156,12 @@ def _kernel(
                 page = jnp.minimum(lax.div(position, jnp.int32(block_size)), table_width - 1)
                 block = jnp.where(position < kv_len, block_tables_ref[seq, page], 0)
                 rows = pl.ds(j * block_size, block_size)
-                plgpu.copy_gmem_to_smem(
-                    k_ref.at[layer, block, :, kv_head], k_smem.at[slot, rows], k_barriers.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(
-                    v_ref.at[layer, block, :, kv_head], v_smem.at[slot, rows], v_barriers.at[slot]
-                )
+                source = (layer, block, slice(None), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[source], k_smem.at[slot, rows], k_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[source], v_smem.at[slot, rows], v_barriers.at[slot])
 
         for stage in range(STAGES - 1):
-            pl.when(stage < num_steps)(functools.partial(fetch, stage, stage))
+            pl.when(first_step + stage < last_step)(functools.partial(fetch, first_step + stage, stage))
 
         row = plgpu.broadcasted_iota(jnp.int32, (ROWS, kv_tokens), 0, layout=plgpu.Layout.WGMMA)
         column = plgpu.broadcasted_iota(jnp.int32, (ROWS, kv_tokens), 1, layout=plgpu.Layout.WGMMA)
@@ -155,19 +170,24 @@ def _kernel(
 
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         m_start = plgpu.layout_cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row_layout)
-        l_start = plgpu.layout_cast(jnp.full((ROWS,), 1.0 if has_sinks else 0.0, jnp.float32), row_layout)
-        if has_sinks:  # each row's softmax starts from its head's sink: running max the sink, running sum 1
+        l_start = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+        # A row's softmax starts from its head's sink (max the sink, sum 1), in the first split only.
+        if has_sinks:
             head = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=row_layout) % group
+            sink = m_start
             for g in range(group):
-                m_start = jnp.where(head == g, floats_ref[2 + kv_head * group + g], m_start)
+                sink = jnp.where(head == g, floats_ref[2 + kv_head * group + g], sink)
+            first_split = jnp.where(split == 0, 1.0, 0.0)  # scalars: no vector select on a scalar predicate
+            m_start = jnp.maximum(sink + (1.0 - first_split) * NEG_INF, NEG_INF)
+            l_start = l_start + first_split
         acc_start = plgpu.layout_cast(jnp.zeros((ROWS, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
         plgpu.barrier_wait(q_barrier)
 
         def step(i, carry):
             acc, m, denom = carry
-            slot = lax.rem(i, jnp.int32(STAGES))
+            slot = lax.rem(i - first_step, jnp.int32(STAGES))
             ahead = i + STAGES - 1  # into the slot step i - 1 has finished with
-            pl.when(ahead < num_steps)(lambda: fetch(ahead, lax.rem(ahead, jnp.int32(STAGES))))
+            pl.when(ahead < last_step)(lambda: fetch(ahead, lax.rem(ahead - first_step, jnp.int32(STAGES))))
             plgpu.barrier_wait(k_barriers.at[slot])
 
             def scores_of(acc_ref):
@@ -206,11 +226,17 @@ def _kernel(
             acc = acc + pl.run_scoped(values_of, plgpu.ACC(acc.shape, jnp.float32))
             return acc, m_new, denom
 
-        acc, _, denom = lax.fori_loop(0, num_steps, step, (acc_start, m_start, l_start))
+        acc, m, denom = lax.fori_loop(first_step, last_step, step, (acc_start, m_start, l_start))
         scale = floats_ref[1] / jnp.where(denom > 0, denom, 1.0)
         q_smem[...] = (acc * lax.broadcast_in_dim(scale, acc.shape, [0])).astype(q_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[kv_head, tile])
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[split, kv_head, tile])
+        if num_splits > 1:  # the part's max and sum, for the combine; one buffer, one row at a time
+            for row_ref, values in ((max_ref, m), (sum_ref, denom)):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                row_smem[...] = values
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(row_smem, row_ref.at[split, kv_head, tile])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -245,10 +271,12 @@ def ragged_paged_attention_stacked(
     v_scale: float | jax.Array = 1.0,
     sinks: jax.Array | None = None,
     interpret=False,
+    num_splits: int | None = None,
 ) -> jax.Array:
     """Attention over layer `layer` of a stacked cache `[L, N, B, Hk, D]`, read in place (no per-layer copy).
 
     `interpret`: True (or GPU interpret mode's parameters) runs the kernel in JAX's GPU interpret mode on the CPU.
+    `num_splits` overrides the bucket's split-KV choice (tests use it to run every path on small shapes).
     """
     check_inputs(
         q,
@@ -290,7 +318,24 @@ def ragged_paged_attention_stacked(
     q_tiles = grouped[token, :, (row % group)[None, :]]  # [tiles, ROWS, Hk, D]
     q_tiles = jnp.where(row_live[..., None, None], q_tiles, 0).transpose(2, 0, 1, 3)
 
-    tiles_out = plgpu.kernel(
+    if num_splits is None:
+        max_kv_len = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(num_tokens, kv_lens.shape[0], num_kv_heads, max_kv_len)
+    tile_shape = (num_splits, *q_tiles.shape)
+    out_type = [jax.ShapeDtypeStruct(tile_shape, q.dtype)]
+    scratch = [
+        _swizzled((ROWS, head_dim), q.dtype),
+        _swizzled((STAGES, kv_tokens, head_dim), q.dtype),
+        _swizzled((STAGES, kv_tokens, head_dim), q.dtype),
+        _swizzled((ROWS, kv_tokens), q.dtype),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=STAGES),
+    ]
+    if num_splits > 1:
+        out_type += [jax.ShapeDtypeStruct(tile_shape[:-1], jnp.float32)] * 2
+        scratch.append(plgpu.SMEM((ROWS,), jnp.float32))
+    parts = plgpu.kernel(
         functools.partial(
             _kernel,
             sm_scale=float(sm_scale),
@@ -299,19 +344,12 @@ def ragged_paged_attention_stacked(
             has_sinks=sinks is not None,
             group=group,
             kv_tokens=kv_tokens,
+            num_splits=num_splits,
         ),
-        out_type=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
-        grid=(num_kv_heads, num_tiles),
-        grid_names=("kv_heads", "tiles"),
-        scratch_types=[
-            _swizzled((ROWS, head_dim), q.dtype),
-            _swizzled((STAGES, kv_tokens, head_dim), q.dtype),
-            _swizzled((STAGES, kv_tokens, head_dim), q.dtype),
-            _swizzled((ROWS, kv_tokens), q.dtype),
-            plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=STAGES),
-            plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=STAGES),
-        ],
+        out_type=out_type,
+        grid=(num_kv_heads, num_tiles, num_splits),
+        grid_names=("kv_heads", "tiles", "splits"),
+        scratch_types=scratch,
         interpret=interpret_params() if interpret is True else (interpret or None),
         kernel_name="ragged_paged_attention_mgpu",
     )(
@@ -331,14 +369,25 @@ def ragged_paged_attention_stacked(
     # row (p % tile_tokens) * group + g; tokens past the last sequence (bucket padding) are zero.
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
     live_end = query_start[num_seqs[0]]
-    token_seq = jnp.clip(
-        jnp.searchsorted(query_start, tokens, side="right").astype(jnp.int32) - 1, 0, kv_lens.shape[0] - 1
-    )
+    token_seq = jnp.searchsorted(query_start, tokens, side="right").astype(jnp.int32) - 1
+    token_seq = jnp.clip(token_seq, 0, kv_lens.shape[0] - 1)
     position = tokens - query_start[token_seq]
-    token_tile = query_start[token_seq] // tile_tokens + token_seq + position // tile_tokens
+    token_tile = jnp.clip(
+        query_start[token_seq] // tile_tokens + token_seq + position // tile_tokens, 0, num_tiles - 1
+    )
     token_row = (position % tile_tokens)[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
-    out = tiles_out[:, jnp.clip(token_tile, 0, num_tiles - 1)[:, None], token_row]  # [Hk, T, G, D]
-    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+
+    def untiled(x: jax.Array) -> jax.Array:
+        """[K, Hk, tiles, ROWS, ...] -> [K, T, Hq, ...]."""
+        rows = x[:, :, token_tile[:, None], token_row]  # [K, Hk, T, G, ...]
+        rows = jnp.moveaxis(rows, 1, 2)  # [K, T, Hk, G, ...]
+        return rows.reshape(num_splits, num_tokens, num_q_heads, *x.shape[4:])
+
+    if num_splits == 1:
+        out = untiled(parts[0])[0]
+    else:
+        o, maxima, sums = (untiled(x) for x in parts)
+        out = combine_splits(o.astype(jnp.float32) * sums[..., None], maxima, sums)
     return jnp.where((tokens < live_end)[:, None, None], out, 0).astype(q.dtype)
 
 
