@@ -250,8 +250,9 @@ def test_kernel_lowers_with_layer_window_scales_and_sinks_as_data():
         (H100, (32, 32, 16, 80, jnp.bfloat16), "triton", "multiple of 64"),  # Phi-2's heads
         (H100, (8, 4, 16, 128, jnp.float32), "triton", "bfloat16 or float16"),
         (H100, (8, 4, 16, 128, jnp.float8_e4m3fn), "triton", "float8_e4m3fn"),
+        (H100, (8, 4, 128, 256, jnp.bfloat16), "triton", "shared memory"),  # two stages of 128 x 256 pages
     ],
-    ids=["hopper", "ampere", "blackwell", "head-dim-80", "float32", "fp8-pages"],
+    ids=["hopper", "ampere", "blackwell", "head-dim-80", "float32", "fp8-pages", "pages-past-shared-memory"],
 )
 def test_pallas_on_a_gpu_takes_mosaic_gpu_where_its_tiles_fit_and_says_why_not(
     capability, layout, expected, why

@@ -9,7 +9,8 @@ kernel; the tile-to-sequence map is computed by XLA too (a tile no sequence owns
 
 The grid is (Hk, tiles). A program copies its query tile into shared memory, then walks its sequence's KV positions
 in steps of KV_TOKENS (64, or one page when pages are longer): each step's pages come through the block table by
-TMA copies into one of STAGES shared-memory slots, the copies for step i + STAGES - 1 issued before step i is
+TMA copies into one of `stages` shared-memory slots (as many as fit, up to 4), the copies for step i + stages - 1
+issued before step i is
 computed. Scores are one wgmma (`q @ k.T`), the softmax is online in float32 registers, and `p @ v` a second
 wgmma with p staged in shared memory. V rows past the sequence's end are zeroed in shared memory before that wgmma,
 so stale cache contents (even NaN) never reach the output.
@@ -44,7 +45,26 @@ from jpaged.pallas.split_kv import choose_num_splits, combine_splits
 
 ROWS = 64  # wgmma's M: query rows (tokens x GQA heads) of one tile
 KV_TOKENS = 64  # keys a step attends to (at least one page)
-STAGES = 2  # shared-memory slots of the KV pipeline
+MAX_STAGES = 4  # shared-memory slots of the KV pipeline, where they fit
+SMEM_BUDGET = 200 * 1024  # of Hopper's 227 KiB a block may take, leaving room for Mosaic's own scratch
+
+
+def shared_memory_bytes(kv_tokens: int, head_dim: int, itemsize: int, stages: int) -> int:
+    """The query tile, p, and `stages` slots of K and V pages."""
+    return (ROWS * head_dim + ROWS * kv_tokens + 2 * stages * kv_tokens * head_dim) * itemsize
+
+
+def pipeline_stages(kv_tokens: int, head_dim: int, itemsize: int) -> int:
+    """The KV pipeline's depth: the most slots (2 to MAX_STAGES) that fit in shared memory; deeper pipelines keep
+    more copies in flight, which is what decode's bandwidth needs."""
+    fits = [
+        n
+        for n in range(2, MAX_STAGES + 1)
+        if shared_memory_bytes(kv_tokens, head_dim, itemsize, n) <= SMEM_BUDGET
+    ]
+    return max(fits, default=2)
+
+
 SWIZZLE = 128  # bytes: a 16-bit row of 64 elements
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 KERNEL_CALL = "mosaic_gpu_v2"  # the custom call a Mosaic GPU kernel lowers to
@@ -63,6 +83,13 @@ def check_layout(num_q_heads: int, num_kv_heads: int, block_size: int, head_dim:
     if block_size not in (8, 16, 32, 64, 128):
         raise ValueError(
             f"the Mosaic GPU kernel needs pages of 8-128 tokens (a power of two), not {block_size}"
+        )
+    kv_tokens = max(KV_TOKENS, block_size)
+    itemsize = jnp.dtype(dtype).itemsize
+    if shared_memory_bytes(kv_tokens, head_dim, itemsize, stages=2) > SMEM_BUDGET:
+        raise ValueError(
+            f"the Mosaic GPU kernel's two-stage pipeline of {block_size}-token pages with head dim {head_dim} needs "
+            f"more than {SMEM_BUDGET // 1024} KiB of shared memory"
         )
 
 
@@ -101,6 +128,7 @@ def _kernel(
     has_sinks: bool,
     group: int,
     kv_tokens: int,
+    stages: int,
     num_splits: int,
 ):
     """`refs`: the outputs, then scratch. With one split the output is o [1, Hk, tiles, ROWS, D]; with several,
@@ -160,7 +188,7 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(k_ref.at[source], k_smem.at[slot, rows], k_barriers.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[source], v_smem.at[slot, rows], v_barriers.at[slot])
 
-        for stage in range(STAGES - 1):
+        for stage in range(stages - 1):
             pl.when(first_step + stage < last_step)(functools.partial(fetch, first_step + stage, stage))
 
         row = plgpu.broadcasted_iota(jnp.int32, (ROWS, kv_tokens), 0, layout=plgpu.Layout.WGMMA)
@@ -185,9 +213,9 @@ def _kernel(
 
         def step(i, carry):
             acc, m, denom = carry
-            slot = lax.rem(i - first_step, jnp.int32(STAGES))
-            ahead = i + STAGES - 1  # into the slot step i - 1 has finished with
-            pl.when(ahead < last_step)(lambda: fetch(ahead, lax.rem(ahead - first_step, jnp.int32(STAGES))))
+            slot = lax.rem(i - first_step, jnp.int32(stages))
+            ahead = i + stages - 1  # into the slot step i - 1 has finished with
+            pl.when(ahead < last_step)(lambda: fetch(ahead, lax.rem(ahead - first_step, jnp.int32(stages))))
             plgpu.barrier_wait(k_barriers.at[slot])
 
             def scores_of(acc_ref):
@@ -321,16 +349,17 @@ def ragged_paged_attention_stacked(
     if num_splits is None:
         max_kv_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_tokens, kv_lens.shape[0], num_kv_heads, max_kv_len)
+    stages = pipeline_stages(kv_tokens, head_dim, q.dtype.itemsize)
     tile_shape = (num_splits, *q_tiles.shape)
     out_type = [jax.ShapeDtypeStruct(tile_shape, q.dtype)]
     scratch = [
         _swizzled((ROWS, head_dim), q.dtype),
-        _swizzled((STAGES, kv_tokens, head_dim), q.dtype),
-        _swizzled((STAGES, kv_tokens, head_dim), q.dtype),
+        _swizzled((stages, kv_tokens, head_dim), q.dtype),
+        _swizzled((stages, kv_tokens, head_dim), q.dtype),
         _swizzled((ROWS, kv_tokens), q.dtype),
         plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=stages),
     ]
     if num_splits > 1:
         out_type += [jax.ShapeDtypeStruct(tile_shape[:-1], jnp.float32)] * 2
@@ -344,6 +373,7 @@ def ragged_paged_attention_stacked(
             has_sinks=sinks is not None,
             group=group,
             kv_tokens=kv_tokens,
+            stages=stages,
             num_splits=num_splits,
         ),
         out_type=out_type,
