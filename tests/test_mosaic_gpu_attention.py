@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from lowering import TRITON_CALL, export_text
 from numpy_attention import ragged_paged_attention_numpy
-from test_pallas_attention import Bucket, Config, device_args, draw_step, relative_error, sm_scale
+from test_pallas_attention import Bucket, Config, device_args, draw_step, fp8_pages, relative_error, sm_scale
 from test_pallas_lowering import step_shapes
 
 from jpaged.pallas import get_attention_fn, gpu_kernel_for, mosaic_gpu, resolve_attention_impl
@@ -121,6 +121,33 @@ def test_split_kv_decode_matches_float64_numpy(num_splits):
 
 
 @needs_transposing_interpreter
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_fp8_pages_read_as_their_values_times_the_scales(num_splits):
+    """float8_e4m3fn pages (`--kv-cache-dtype fp8`) under bfloat16 queries, quantised with K and V scales and widened
+    in shared memory for wgmma: the float64 oracle of the dequantised pages; stale NaN planted as elsewhere."""
+    cfg = Config("mosaic", "bfloat16", 16, 2, 4, 64, MIX if num_splits == 1 else DECODE)
+    rng = np.random.default_rng(zlib.crc32(f"fp8-{num_splits}".encode()))
+    step = draw_step(rng, cfg, stale_value=np.nan)
+    q, _, _, *metadata = device_args(step, cfg.dtype)
+    k_scale, v_scale = 0.05, 3.0
+    k_pages, k_values = fp8_pages(step["k_pages"] * k_scale, np.float32(k_scale))
+    v_pages, v_values = fp8_pages(step["v_pages"] * v_scale, np.float32(v_scale))
+    kernel = functools.partial(
+        mosaic_gpu.ragged_paged_attention,
+        sm_scale=sm_scale(cfg),
+        k_scale=k_scale,
+        v_scale=v_scale,
+        num_splits=num_splits,
+        interpret=True,
+    )
+    out = np.asarray(interpreted(lambda: jax.jit(kernel)(q, k_pages, v_pages, *metadata)).astype(jnp.float32))
+    host = [np.asarray(q.astype(jnp.float32)), k_values, v_values, *map(np.asarray, metadata)]
+    expected = ragged_paged_attention_numpy(*host, sm_scale=sm_scale(cfg))
+    assert np.isfinite(out).all()
+    assert relative_error(out, expected, step) < TOLERANCE
+
+
+@needs_transposing_interpreter
 def test_stale_nan_in_unowned_cache_slots_never_reaches_the_output():
     """Whole pages past a sequence's end, and the tails of partial ones, are copied in: none may leak."""
     cfg = CONFIGS[0]
@@ -216,6 +243,14 @@ def test_kernel_lowers_to_mosaic_gpu_for_cuda(model, bucket):
     assert MOSAIC_GPU_CALL in text and TRITON_CALL not in text
 
 
+@pytest.mark.parametrize("bucket", ["decode-few", "prefill"])
+def test_kernel_lowers_over_fp8_pages_for_cuda(bucket):
+    q, k_pages, v_pages, *metadata = step_shapes(bucket, EXPORTED_MODELS["llama3-8b"], jnp.bfloat16)
+    fp8 = jax.ShapeDtypeStruct(k_pages.shape, jnp.float8_e4m3fn)
+    fn = functools.partial(mosaic_gpu.ragged_paged_attention, sm_scale=0.125, k_scale=0.5, v_scale=2.0)
+    assert MOSAIC_GPU_CALL in export_text(fn, "cuda", [q, fp8, fp8, *metadata])
+
+
 def test_kernel_lowers_with_layer_window_scales_and_sinks_as_data():
     shapes = step_shapes("decode-few", EXPORTED_MODELS["llama3-8b"], jnp.bfloat16)
     q, k_pages, v_pages, *metadata = shapes
@@ -249,15 +284,25 @@ def test_kernel_lowers_with_layer_window_scales_and_sinks_as_data():
         ("10.0", (9, 3, 16, 64, jnp.bfloat16), "triton", "wgmma"),  # Blackwell: no wgmma
         (H100, (32, 32, 16, 80, jnp.bfloat16), "triton", "multiple of 64"),  # Phi-2's heads
         (H100, (8, 4, 16, 128, jnp.float32), "triton", "bfloat16 or float16"),
-        (H100, (8, 4, 16, 128, jnp.float8_e4m3fn), "triton", "float8_e4m3fn"),
+        (H100, (8, 4, 16, 128, jnp.bfloat16, jnp.float8_e4m3fn), "mosaic_gpu", "compute capability 9.0"),
+        (H100, (8, 4, 16, 128, jnp.float32, jnp.float8_e4m3fn), "triton", "bfloat16 or float16"),
         (H100, (8, 4, 128, 256, jnp.bfloat16), "triton", "shared memory"),  # two stages of 128 x 256 pages
     ],
-    ids=["hopper", "ampere", "blackwell", "head-dim-80", "float32", "fp8-pages", "pages-past-shared-memory"],
+    ids=[
+        "hopper",
+        "ampere",
+        "blackwell",
+        "head-dim-80",
+        "float32",
+        "fp8-pages",
+        "fp8-pages-under-float32",
+        "pages-past-shared-memory",
+    ],
 )
 def test_pallas_on_a_gpu_takes_mosaic_gpu_where_its_tiles_fit_and_says_why_not(
     capability, layout, expected, why
 ):
-    num_q_heads, num_kv_heads, block_size, head_dim, dtype = layout
+    num_q_heads, num_kv_heads, block_size, head_dim, dtype, *kv_dtype = layout
     kernel, reason = gpu_kernel_for(
         capability,
         num_q_heads=num_q_heads,
@@ -265,6 +310,7 @@ def test_pallas_on_a_gpu_takes_mosaic_gpu_where_its_tiles_fit_and_says_why_not(
         block_size=block_size,
         head_dim=head_dim,
         dtype=dtype,
+        kv_dtype=kv_dtype[0] if kv_dtype else None,
     )
     assert kernel == expected and why in reason
 

@@ -92,6 +92,7 @@ def gpu_kernel_for(
     block_size: int,
     head_dim: int,
     dtype,
+    kv_dtype=None,
 ) -> tuple[str, str]:
     """`pallas` on a GPU: ("mosaic_gpu" | "triton", why). Mosaic GPU on Hopper (compute capability 9.x) where its
     wgmma tiles fit the cache's layout; Triton before Hopper, on Blackwell (the kernel's products are Hopper's
@@ -105,7 +106,9 @@ def gpu_kernel_for(
             f"the Mosaic GPU kernel multiplies with Hopper's wgmma, which compute capability {compute_capability} lacks",
         )
     try:
-        mosaic_gpu.check_layout(num_q_heads or num_kv_heads, num_kv_heads, block_size, head_dim, dtype)
+        mosaic_gpu.check_layout(
+            num_q_heads or num_kv_heads, num_kv_heads, block_size, head_dim, dtype, kv_dtype
+        )
     except ValueError as err:
         return "triton", str(err)
     return "mosaic_gpu", f"compute capability {compute_capability}"
@@ -151,7 +154,8 @@ def get_attention_fn(
             num_kv_heads=num_kv_heads,
             block_size=block_size,
             head_dim=head_dim,
-            dtype=kv_dtype or dtype,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
         )
         logger.info(
             "GPU attention: the %s kernel (%s)", "Mosaic GPU" if impl == "mosaic_gpu" else "Triton", why

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jpaged.pallas.common import (
+    FP8_PAGES,
     NEG_INF,
     check_inputs,
     floats_operand,
@@ -49,18 +50,20 @@ MAX_STAGES = 4  # shared-memory slots of the KV pipeline, where they fit
 SMEM_BUDGET = 200 * 1024  # of Hopper's 227 KiB a block may take, leaving room for Mosaic's own scratch
 
 
-def shared_memory_bytes(kv_tokens: int, head_dim: int, itemsize: int, stages: int) -> int:
-    """The query tile, p, and `stages` slots of K and V pages."""
-    return (ROWS * head_dim + ROWS * kv_tokens + 2 * stages * kv_tokens * head_dim) * itemsize
+def shared_memory_bytes(kv_tokens: int, head_dim: int, itemsize: int, page_itemsize: int, stages: int) -> int:
+    """The query tile, p, `stages` slots of K and V pages, and (FP8 pages) one slot of each widened."""
+    widened = 2 * kv_tokens * head_dim * itemsize if page_itemsize != itemsize else 0
+    pages = 2 * stages * kv_tokens * head_dim * page_itemsize
+    return (ROWS * head_dim + ROWS * kv_tokens) * itemsize + pages + widened
 
 
-def pipeline_stages(kv_tokens: int, head_dim: int, itemsize: int) -> int:
+def pipeline_stages(kv_tokens: int, head_dim: int, itemsize: int, page_itemsize: int) -> int:
     """The KV pipeline's depth: the most slots (2 to MAX_STAGES) that fit in shared memory; deeper pipelines keep
     more copies in flight, which is what decode's bandwidth needs."""
     fits = [
         n
         for n in range(2, MAX_STAGES + 1)
-        if shared_memory_bytes(kv_tokens, head_dim, itemsize, n) <= SMEM_BUDGET
+        if shared_memory_bytes(kv_tokens, head_dim, itemsize, page_itemsize, n) <= SMEM_BUDGET
     ]
     return max(fits, default=2)
 
@@ -70,11 +73,17 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 KERNEL_CALL = "mosaic_gpu_v2"  # the custom call a Mosaic GPU kernel lowers to
 
 
-def check_layout(num_q_heads: int, num_kv_heads: int, block_size: int, head_dim: int, dtype) -> None:
-    """Raises ValueError naming the condition a cache layout misses for this kernel's wgmma tiles."""
-    if jnp.dtype(dtype) not in DTYPES:
+def check_layout(
+    num_q_heads: int, num_kv_heads: int, block_size: int, head_dim: int, dtype, kv_dtype=None
+) -> None:
+    """Raises ValueError naming the condition a cache layout misses for this kernel's wgmma tiles: `dtype` is the
+    queries' (and the model's), `kv_dtype` the pages' (default `dtype`; float8_e4m3fn pages are widened)."""
+    dtype, kv_dtype = jnp.dtype(dtype), jnp.dtype(kv_dtype or dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"the Mosaic GPU kernel takes bfloat16 or float16 queries and pages, not {dtype}")
+    if kv_dtype not in (dtype, FP8_PAGES):
         raise ValueError(
-            f"the Mosaic GPU kernel takes bfloat16 or float16 queries and pages, not {jnp.dtype(dtype)}"
+            f"the Mosaic GPU kernel reads pages of the queries' dtype or float8_e4m3fn, not {kv_dtype}"
         )
     if head_dim % 64:
         raise ValueError(f"the Mosaic GPU kernel needs a head dim that is a multiple of 64, not {head_dim}")
@@ -85,8 +94,7 @@ def check_layout(num_q_heads: int, num_kv_heads: int, block_size: int, head_dim:
             f"the Mosaic GPU kernel needs pages of 8-128 tokens (a power of two), not {block_size}"
         )
     kv_tokens = max(KV_TOKENS, block_size)
-    itemsize = jnp.dtype(dtype).itemsize
-    if shared_memory_bytes(kv_tokens, head_dim, itemsize, stages=2) > SMEM_BUDGET:
+    if shared_memory_bytes(kv_tokens, head_dim, dtype.itemsize, kv_dtype.itemsize, stages=2) > SMEM_BUDGET:
         raise ValueError(
             f"the Mosaic GPU kernel's two-stage pipeline of {block_size}-token pages with head dim {head_dim} needs "
             f"more than {SMEM_BUDGET // 1024} KiB of shared memory"
@@ -102,11 +110,11 @@ def interpret_params(detect_races: bool = True):
 
 
 def _swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
-    """A shared-memory buffer in the layout wgmma reads: 8 x 64 tiles, 128-byte swizzle."""
-    transforms = (
-        plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)),
-        plgpu.SwizzleTransform(SWIZZLE),
-    )
+    """A shared-memory buffer in the layout wgmma and TMA read: 8-row tiles of one swizzle's width (128 bytes, or
+    the whole row where it is shorter: 64 float8 elements)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(SWIZZLE, shape[-1] * itemsize)
+    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
@@ -121,7 +129,17 @@ def _kernel(
     q_ref,  # [Hk, tiles, ROWS, D]
     k_ref,  # [L, N, B, Hk, D]
     v_ref,
-    *refs,
+    *outputs,
+    q_smem,  # [ROWS, D]
+    k_pages,  # [stages, kv_tokens, D], the pages' dtype: where TMA copies them
+    v_pages,
+    p_smem,  # [ROWS, kv_tokens]
+    q_barrier,
+    k_barriers,
+    v_barriers,
+    row_smem=None,  # [ROWS] float32, with several splits
+    k_wide=None,  # [kv_tokens, D] q's dtype, for FP8 pages: the step's pages widened for wgmma
+    v_wide=None,
     sm_scale: float,
     windowed: bool,
     soft_cap: float | None,
@@ -131,24 +149,9 @@ def _kernel(
     stages: int,
     num_splits: int,
 ):
-    """`refs`: the outputs, then scratch. With one split the output is o [1, Hk, tiles, ROWS, D]; with several,
-    o (each split's part normalised by its own sum) and that part's running max and sum [K, Hk, tiles, ROWS]."""
-    if num_splits == 1:
-        (o_ref, q_smem, k_smem, v_smem, p_smem, q_barrier, k_barriers, v_barriers) = refs
-    else:
-        (
-            o_ref,
-            max_ref,
-            sum_ref,
-            q_smem,
-            k_smem,
-            v_smem,
-            p_smem,
-            q_barrier,
-            k_barriers,
-            v_barriers,
-            row_smem,
-        ) = refs
+    """`outputs`: with one split o [1, Hk, tiles, ROWS, D]; with several, o (each split's part normalised by its
+    own sum) and that part's running max and sum [K, Hk, tiles, ROWS]."""
+    o_ref = outputs[0]
     block_size = k_ref.shape[2]
     table_width = block_tables_ref.shape[1]
     pages_per_step = kv_tokens // block_size
@@ -185,8 +188,8 @@ def _kernel(
                 block = jnp.where(position < kv_len, block_tables_ref[seq, page], 0)
                 rows = pl.ds(j * block_size, block_size)
                 source = (layer, block, slice(None), kv_head)
-                plgpu.copy_gmem_to_smem(k_ref.at[source], k_smem.at[slot, rows], k_barriers.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[source], v_smem.at[slot, rows], v_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[source], k_pages.at[slot, rows], k_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[source], v_pages.at[slot, rows], v_barriers.at[slot])
 
         for stage in range(stages - 1):
             pl.when(first_step + stage < last_step)(functools.partial(fetch, first_step + stage, stage))
@@ -217,9 +220,14 @@ def _kernel(
             ahead = i + stages - 1  # into the slot step i - 1 has finished with
             pl.when(ahead < last_step)(lambda: fetch(ahead, lax.rem(ahead - first_step, jnp.int32(stages))))
             plgpu.barrier_wait(k_barriers.at[slot])
+            keys = k_pages.at[slot]
+            if k_wide is not None:  # FP8 pages: widened through float32 (Hopper converts e4m3 to f16 only)
+                k_wide[...] = keys[...].astype(jnp.float32).astype(k_wide.dtype)
+                plgpu.commit_smem()
+                keys = k_wide
 
             def scores_of(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                plgpu.wgmma(acc_ref, q_smem, keys.T)
                 return acc_ref[...]
 
             scores = pl.run_scoped(scores_of, plgpu.ACC((ROWS, kv_tokens), jnp.float32)) * score_scale
@@ -238,17 +246,23 @@ def _kernel(
             p_smem[...] = p.astype(p_smem.dtype)
             plgpu.barrier_wait(v_barriers.at[slot])
 
-            @pl.when(kv_begin + (i + 1) * kv_tokens > kv_len)
-            def _zero_stale_values():  # p is 0 there, but 0 x NaN is not
-                values = v_smem.at[slot]
-                key = plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=plgpu.Layout.WGMMA)
-                stale = kv_begin + i * kv_tokens + key >= kv_len
-                values[...] = jnp.where(stale, 0, values[...])
+            values = v_pages.at[slot]
 
+            def without_stale_values(source, destination):  # p is 0 past the sequence, but 0 x NaN is not
+                key = plgpu.broadcasted_iota(jnp.int32, destination.shape, 0, layout=plgpu.Layout.WGMMA)
+                stale = kv_begin + i * kv_tokens + key >= kv_len
+                widened = source[...].astype(jnp.float32).astype(destination.dtype)
+                destination[...] = jnp.where(stale, 0, widened)
+
+            if v_wide is not None:
+                without_stale_values(values, v_wide)
+                values = v_wide
+            else:
+                pl.when(kv_begin + (i + 1) * kv_tokens > kv_len)(lambda: without_stale_values(values, values))
             plgpu.commit_smem()
 
             def values_of(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p_smem, values)
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(values_of, plgpu.ACC(acc.shape, jnp.float32))
@@ -260,7 +274,7 @@ def _kernel(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[split, kv_head, tile])
         if num_splits > 1:  # the part's max and sum, for the combine; one buffer, one row at a time
-            for row_ref, values in ((max_ref, m), (sum_ref, denom)):
+            for row_ref, values in zip(outputs[1:], (m, denom), strict=True):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 row_smem[...] = values
                 plgpu.commit_smem()
@@ -324,7 +338,7 @@ def ragged_paged_attention_stacked(
         raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
-    check_layout(num_q_heads, num_kv_heads, block_size, head_dim, k_cache.dtype)
+    check_layout(num_q_heads, num_kv_heads, block_size, head_dim, q.dtype, k_cache.dtype)
     group = num_q_heads // num_kv_heads
     tile_tokens = ROWS // group
     num_tiles = pl.cdiv(num_tokens, tile_tokens) + kv_lens.shape[0]
@@ -349,21 +363,26 @@ def ragged_paged_attention_stacked(
     if num_splits is None:
         max_kv_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_tokens, kv_lens.shape[0], num_kv_heads, max_kv_len)
-    stages = pipeline_stages(kv_tokens, head_dim, q.dtype.itemsize)
+    pages = k_cache.dtype
+    stages = pipeline_stages(kv_tokens, head_dim, q.dtype.itemsize, pages.itemsize)
     tile_shape = (num_splits, *q_tiles.shape)
     out_type = [jax.ShapeDtypeStruct(tile_shape, q.dtype)]
-    scratch = [
-        _swizzled((ROWS, head_dim), q.dtype),
-        _swizzled((stages, kv_tokens, head_dim), q.dtype),
-        _swizzled((stages, kv_tokens, head_dim), q.dtype),
-        _swizzled((ROWS, kv_tokens), q.dtype),
-        plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=stages),
-    ]
+    scratch = dict(
+        q_smem=_swizzled((ROWS, head_dim), q.dtype),
+        k_pages=_swizzled((stages, kv_tokens, head_dim), pages),
+        v_pages=_swizzled((stages, kv_tokens, head_dim), pages),
+        p_smem=_swizzled((ROWS, kv_tokens), q.dtype),
+        q_barrier=plgpu.Barrier(),
+        k_barriers=plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=stages),
+        v_barriers=plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=stages),
+    )
     if num_splits > 1:
         out_type += [jax.ShapeDtypeStruct(tile_shape[:-1], jnp.float32)] * 2
-        scratch.append(plgpu.SMEM((ROWS,), jnp.float32))
+        scratch["row_smem"] = plgpu.SMEM((ROWS,), jnp.float32)
+    if pages != q.dtype:
+        scratch.update(
+            k_wide=_swizzled((kv_tokens, head_dim), q.dtype), v_wide=_swizzled((kv_tokens, head_dim), q.dtype)
+        )
     parts = plgpu.kernel(
         functools.partial(
             _kernel,
