@@ -13,14 +13,18 @@ TRITON_CALL = "__gpu$xla.gpu.triton"  # Pallas-Triton's custom call: no export c
 TARGET_GPU = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 
 
-def export_text(fn, platform: str, args) -> str:
-    """The StableHLO text of `fn` exported for `platform` ("cuda" or "tpu") on these abstract args."""
+def abstract_gpu(device_kind: str) -> jax.sharding.AbstractDevice:
+    """A GPU by name (an "NVIDIA H100 80GB HBM3", an "NVIDIA B200"), for an export on a machine without one."""
+    return jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=132, platform="cuda")
+
+
+def export_text(fn, platform: str, args, gpu: jax.sharding.AbstractDevice = TARGET_GPU) -> str:
+    """The StableHLO text of `fn` exported for `platform` ("cuda" or "tpu") on these abstract args (for cuda, on
+    the abstract `gpu`)."""
     disabled, target = [], contextlib.nullcontext()
     if platform == "cuda":
         disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-        target = jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=TARGET_GPU)
-        )
+        target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu))
     with target:
         exported = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args)
     return exported.mlir_module()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from lowering import TRITON_CALL, export_text
+from lowering import TRITON_CALL, abstract_gpu, export_text
 from numpy_attention import ragged_paged_attention_numpy
 from test_pallas_attention import Bucket, Config, device_args, draw_step, fp8_pages, relative_error, sm_scale
 from test_pallas_lowering import step_shapes
@@ -62,8 +62,10 @@ def interpreted(fn):
 
 
 @functools.cache
-def kernel_fn(cfg: Config, with_sinks: bool = False):
-    options = dict(sm_scale=sm_scale(cfg), sliding_window=cfg.sliding_window, logits_soft_cap=cfg.soft_cap)
+def kernel_fn(cfg: Config, arch: str = "hopper"):
+    options = dict(
+        sm_scale=sm_scale(cfg), sliding_window=cfg.sliding_window, logits_soft_cap=cfg.soft_cap, arch=arch
+    )
 
     def run(q, k_pages, v_pages, *metadata, sinks=None):
         return mosaic_gpu.ragged_paged_attention(
@@ -84,32 +86,46 @@ def oracle(cfg: Config, args, sinks=None) -> np.ndarray:
     )
 
 
-def run(cfg: Config, args, sinks=None) -> np.ndarray:
-    out = interpreted(lambda: kernel_fn(cfg)(*args, sinks=None if sinks is None else jnp.asarray(sinks)))
+def run(cfg: Config, args, sinks=None, arch: str = "hopper") -> np.ndarray:
+    out = interpreted(
+        lambda: kernel_fn(cfg, arch)(*args, sinks=None if sinks is None else jnp.asarray(sinks))
+    )
     return np.asarray(out.astype(jnp.float32))
 
 
+BLACKWELL_CONFIGS = [
+    CONFIGS[1],
+    CONFIGS[2],
+    CONFIGS[3],
+    CONFIGS[6],
+]  # 128-row tiles: G 3, 1, 8; D 64, 128, 256
+ARCH_CASES = [("hopper", c) for c in CONFIGS] + [("blackwell", c) for c in BLACKWELL_CONFIGS]
+
+
 @needs_transposing_interpreter
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.id)
-def test_kernel_matches_float64_numpy_on_random_ragged_steps(cfg):
+@pytest.mark.parametrize(("arch", "cfg"), ARCH_CASES, ids=[f"{a}-{c.id}" for a, c in ARCH_CASES])
+def test_kernel_matches_float64_numpy_on_random_ragged_steps(arch, cfg):
+    """Hopper's products (wgmma, 64-row tiles) and Blackwell's (tcgen05 into tensor memory, 128-row tiles)."""
     rng = np.random.default_rng(zlib.crc32(cfg.id.encode()))
     for _ in range(2):
         step = draw_step(rng, cfg)
         args = device_args(step, cfg.dtype)
-        out = run(cfg, args)
+        out = run(cfg, args, arch=arch)
         real_rows = int(step["query_start"][step["num_seqs"][0]])
         assert np.isfinite(out).all() and not out[real_rows:].any(), "padding rows must be zero"
         assert relative_error(out, oracle(cfg, args), step) < TOLERANCE
 
 
 @needs_transposing_interpreter
-@pytest.mark.parametrize("num_splits", [2, 4])
-def test_split_kv_decode_matches_float64_numpy(num_splits):
+@pytest.mark.parametrize(("arch", "num_splits"), [("hopper", 2), ("hopper", 4), ("blackwell", 2)])
+def test_split_kv_decode_matches_float64_numpy(arch, num_splits):
     """Each sequence's KV range split `num_splits` ways (some splits see no key at all; the sinks join the first
     split's softmax only) and combined; stale NaN in the cache and bucket padding as elsewhere."""
     cfg = Config("mosaic", "bfloat16", 16, 2, 4, 64, DECODE, sliding_window=150)
     rng = np.random.default_rng(zlib.crc32(f"split-{num_splits}".encode()))
-    options = dict(sm_scale=sm_scale(cfg), sliding_window=cfg.sliding_window, num_splits=num_splits)
+    options = dict(
+        sm_scale=sm_scale(cfg), sliding_window=cfg.sliding_window, num_splits=num_splits, arch=arch
+    )
     kernel = jax.jit(functools.partial(mosaic_gpu.ragged_paged_attention, **options, interpret=True))
     sinks = rng.normal(1.0, 2.0, cfg.num_kv_heads * cfg.group).astype(np.float32)
     for stale in (None, np.nan):
@@ -121,8 +137,8 @@ def test_split_kv_decode_matches_float64_numpy(num_splits):
 
 
 @needs_transposing_interpreter
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_fp8_pages_read_as_their_values_times_the_scales(num_splits):
+@pytest.mark.parametrize(("arch", "num_splits"), [("hopper", 1), ("hopper", 2), ("blackwell", 1)])
+def test_fp8_pages_read_as_their_values_times_the_scales(arch, num_splits):
     """float8_e4m3fn pages (`--kv-cache-dtype fp8`) under bfloat16 queries, quantised with K and V scales and widened
     in shared memory for wgmma: the float64 oracle of the dequantised pages; stale NaN planted as elsewhere."""
     cfg = Config("mosaic", "bfloat16", 16, 2, 4, 64, MIX if num_splits == 1 else DECODE)
@@ -138,6 +154,7 @@ def test_fp8_pages_read_as_their_values_times_the_scales(num_splits):
         k_scale=k_scale,
         v_scale=v_scale,
         num_splits=num_splits,
+        arch=arch,
         interpret=True,
     )
     out = np.asarray(interpreted(lambda: jax.jit(kernel)(q, k_pages, v_pages, *metadata)).astype(jnp.float32))
@@ -232,14 +249,19 @@ H100 = "9.0"
 EXPORTED_MODELS = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128), "gemma2-2b": (8, 4, 256)}
 
 
+GPUS = {"hopper": abstract_gpu("NVIDIA H100 80GB HBM3"), "blackwell": abstract_gpu("NVIDIA B200")}
+
+
+@pytest.mark.parametrize("arch", list(GPUS))
 @pytest.mark.parametrize("bucket", ["decode", "decode-few", "prefill"])
 @pytest.mark.parametrize("model", list(EXPORTED_MODELS))
-def test_kernel_lowers_to_mosaic_gpu_for_cuda(model, bucket):
-    """ "decode-few" (8 sequences) splits each KV range (split_kv.choose_num_splits)."""
-    fn = functools.partial(
-        mosaic_gpu.ragged_paged_attention, sm_scale=0.125, sliding_window=1024, logits_soft_cap=30.0
-    )
-    text = export_text(fn, "cuda", step_shapes(bucket, EXPORTED_MODELS[model], jnp.bfloat16))
+def test_kernel_lowers_to_mosaic_gpu_for_cuda(model, bucket, arch):
+    """On an abstract H100 with Hopper's products, a B200 with Blackwell's; "decode-few" (8 sequences) splits each
+    KV range (split_kv.choose_num_splits). Mosaic GPU compiles for the real device's architecture when XLA compiles
+    the exported program, so this checks the lowering, not sm_90a's or sm_100a's code generation."""
+    options = dict(sm_scale=0.125, sliding_window=1024, logits_soft_cap=30.0, arch=arch)
+    fn = functools.partial(mosaic_gpu.ragged_paged_attention, **options)
+    text = export_text(fn, "cuda", step_shapes(bucket, EXPORTED_MODELS[model], jnp.bfloat16), GPUS[arch])
     assert MOSAIC_GPU_CALL in text and TRITON_CALL not in text
 
 
@@ -279,19 +301,21 @@ def test_kernel_lowers_with_layer_window_scales_and_sinks_as_data():
 @pytest.mark.parametrize(
     ("capability", "layout", "expected", "why"),
     [
-        (H100, (9, 3, 16, 64, jnp.bfloat16), "mosaic_gpu", "compute capability 9.0"),
-        ("8.0", (9, 3, 16, 64, jnp.bfloat16), "triton", "Hopper"),  # Ampere
-        ("10.0", (9, 3, 16, 64, jnp.bfloat16), "triton", "wgmma"),  # Blackwell: no wgmma
+        (H100, (9, 3, 16, 64, jnp.bfloat16), "mosaic_gpu", "hopper's products"),
+        ("10.0", (9, 3, 16, 64, jnp.bfloat16), "mosaic_gpu", "blackwell's products"),  # B200: tcgen05
+        ("8.0", (9, 3, 16, 64, jnp.bfloat16), "triton", "capability 8.0 lacks"),  # Ampere
+        ("12.0", (9, 3, 16, 64, jnp.bfloat16), "triton", "capability 12.0 lacks"),  # consumer Blackwell
         (H100, (32, 32, 16, 80, jnp.bfloat16), "triton", "multiple of 64"),  # Phi-2's heads
         (H100, (8, 4, 16, 128, jnp.float32), "triton", "bfloat16 or float16"),
-        (H100, (8, 4, 16, 128, jnp.bfloat16, jnp.float8_e4m3fn), "mosaic_gpu", "compute capability 9.0"),
+        (H100, (8, 4, 16, 128, jnp.bfloat16, jnp.float8_e4m3fn), "mosaic_gpu", "hopper's products"),
         (H100, (8, 4, 16, 128, jnp.float32, jnp.float8_e4m3fn), "triton", "bfloat16 or float16"),
         (H100, (8, 4, 128, 256, jnp.bfloat16), "triton", "shared memory"),  # two stages of 128 x 256 pages
     ],
     ids=[
         "hopper",
-        "ampere",
         "blackwell",
+        "ampere",
+        "consumer-blackwell",
         "head-dim-80",
         "float32",
         "fp8-pages",

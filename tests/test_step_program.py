@@ -12,7 +12,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from lowering import TRITON_CALL, export_text
+import pytest
+from lowering import TRITON_CALL, abstract_gpu, export_text
 
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
@@ -95,16 +96,18 @@ def test_the_gpu_step_exported_for_cuda_has_no_conditional(tiny_llama):
         assert "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
+@pytest.mark.parametrize(
+    ("arch", "device_kind"), [("hopper", "NVIDIA H100 80GB HBM3"), ("blackwell", "NVIDIA B200")]
+)
 def test_the_gpu_step_with_the_mosaic_gpu_kernel_exported_for_cuda_calls_no_triton_and_has_no_conditional(
-    tiny_llama, monkeypatch
+    tiny_llama, monkeypatch, arch, device_kind
 ):
-    """What Hopper runs where jax has no Triton backend left (its import made to fail here)."""
+    """What an H100 and a B200 run where jax has no Triton backend left (its import made to fail here)."""
     monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
-    config = dataclasses.replace(
-        tiny_llama.config, head_dim=64
-    )  # the kernel's wgmma tiles take 64-element rows
-    for bound, args in gpu_steps(config, mosaic_gpu.ragged_paged_attention_stacked):
-        text = export_text(bound, "cuda", args)
+    config = dataclasses.replace(tiny_llama.config, head_dim=64)  # the kernel's tiles take 64-element rows
+    attention = functools.partial(mosaic_gpu.ragged_paged_attention_stacked, arch=arch)
+    for bound, args in gpu_steps(config, attention):
+        text = export_text(bound, "cuda", args, abstract_gpu(device_kind))
         assert mosaic_gpu.KERNEL_CALL in text and TRITON_CALL not in text
         assert "stablehlo.case" not in text and "stablehlo.if" not in text
 

@@ -29,7 +29,7 @@ _HELP = {
     "(else last token, normalised)",
     "speculative_config": 'vLLM\'s speculative_config as JSON: {"method": "ngram" or "suffix", '
     '"num_speculative_tokens": k, ...}; each decode step verifies k proposed tokens in one forward',
-    "attention_impl": "auto, pallas (the device's kernel: on a GPU Mosaic GPU on Hopper where it fits, else "
+    "attention_impl": "auto, pallas (the device's kernel: on a GPU Mosaic GPU on Hopper and Blackwell where it fits, else "
     "Triton), mosaic_gpu, triton, cpu or reference (XLA)",
     "enable_expert_parallel": "split a mixture of experts' experts whole over the --tensor-parallel-size devices "
     "(E / tp each; tokens move to them) instead of each expert's MLP",

@@ -94,24 +94,24 @@ def gpu_kernel_for(
     dtype,
     kv_dtype=None,
 ) -> tuple[str, str]:
-    """`pallas` on a GPU: ("mosaic_gpu" | "triton", why). Mosaic GPU on Hopper (compute capability 9.x) where its
-    wgmma tiles fit the cache's layout; Triton before Hopper, on Blackwell (the kernel's products are Hopper's
-    wgmma, which sm_100 lacks) and for layouts the tiles do not fit."""
+    """`pallas` on a GPU: ("mosaic_gpu" | "triton", why). Mosaic GPU on Hopper (compute capability 9.x: wgmma) and
+    datacenter Blackwell (10.x: tcgen05) where its tiles fit the cache's layout; Triton before Hopper, on consumer
+    Blackwell (12.x has no tcgen05) and for layouts the tiles do not fit."""
     from jpaged.pallas import mosaic_gpu
 
-    major = int(float(compute_capability)) if compute_capability else 0
-    if major != 9:
-        return (
-            "triton",
-            f"the Mosaic GPU kernel multiplies with Hopper's wgmma, which compute capability {compute_capability} lacks",
+    arch = mosaic_gpu.arch_for(compute_capability)
+    if arch is None:
+        return "triton", (
+            "the Mosaic GPU kernel multiplies with Hopper's wgmma or datacenter Blackwell's tcgen05, which compute "
+            f"capability {compute_capability} lacks"
         )
     try:
         mosaic_gpu.check_layout(
-            num_q_heads or num_kv_heads, num_kv_heads, block_size, head_dim, dtype, kv_dtype
+            num_q_heads or num_kv_heads, num_kv_heads, block_size, head_dim, dtype, kv_dtype, arch
         )
     except ValueError as err:
         return "triton", str(err)
-    return "mosaic_gpu", f"compute capability {compute_capability}"
+    return "mosaic_gpu", f"compute capability {compute_capability}: {arch}'s products"
 
 
 def _pallas_kernel(impl: str) -> Callable:
@@ -171,7 +171,17 @@ def get_attention_fn(
             logger.warning("TPU kernel cannot lay out this cache (%s); using the XLA reference", err)
             return paged_attention_stacked
     kernel = "tpu" if backend == "tpu" else impl
-    return functools.partial(_pallas_kernel(kernel), interpret=interpret or backend == "cpu")
+    options = dict(interpret=interpret or backend == "cpu")
+    if kernel == "mosaic_gpu" and backend == "gpu":
+        from jpaged.pallas.mosaic_gpu import arch_for
+
+        capability = compute_capability or gpu_compute_capability()
+        options["arch"] = arch_for(capability)
+        if options["arch"] is None:
+            raise ValueError(
+                f"attention_impl='mosaic_gpu' needs Hopper or datacenter Blackwell, not {capability}"
+            )
+    return functools.partial(_pallas_kernel(kernel), **options)
 
 
 def ragged_paged_attention(

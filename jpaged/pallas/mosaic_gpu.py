@@ -1,8 +1,9 @@
 """Ragged paged attention for Hopper and later on Mosaic GPU (`plgpu.kernel`): mixed prefill chunks and decodes.
 
-Shapes (letters as in jpaged.pallas.reference; G = Hq // Hk): the kernel works on query tiles of ROWS = 64 rows,
-wgmma's M, each packing `ROWS // G` consecutive tokens of ONE sequence times the G query heads that share a KV head.
-XLA lays the queries out as tiles before the launch (`[Hk, tiles, ROWS, D]`, padding rows zero) and gathers the
+Shapes (letters as in jpaged.pallas.reference; G = Hq // Hk): the kernel works on query tiles of R rows (the
+products' M: 64 for Hopper's wgmma, 128 for Blackwell's tcgen05), each packing `R // G` consecutive tokens of ONE
+sequence times the G query heads that share a KV head.
+XLA lays the queries out as tiles before the launch (`[Hk, tiles, R, D]`, padding rows zero) and gathers the
 output tiles back to `[T, Hq, D]` after it, so every copy the kernel makes is a whole TMA box and no tile ever
 writes a row another tile owns. Sequence s owns tiles `query_start[s] // tile_tokens + s` onwards, as in the Triton
 kernel; the tile-to-sequence map is computed by XLA too (a tile no sequence owns is marked -1 and exits at once).
@@ -11,15 +12,16 @@ The grid is (Hk, tiles). A program copies its query tile into shared memory, the
 in steps of KV_TOKENS (64, or one page when pages are longer): each step's pages come through the block table by
 TMA copies into one of `stages` shared-memory slots (as many as fit, up to 4), the copies for step i + stages - 1
 issued before step i is
-computed. Scores are one wgmma (`q @ k.T`), the softmax is online in float32 registers, and `p @ v` a second
-wgmma with p staged in shared memory. V rows past the sequence's end are zeroed in shared memory before that wgmma,
+computed. Scores are one product (`q @ k.T`), the softmax is online in float32 registers, and `p @ v` a second
+product with p staged in shared memory: wgmma on Hopper; on Blackwell tcgen05 into tensor memory, waited on its
+barrier and loaded to registers. V rows past the sequence's end are zeroed in shared memory before that wgmma,
 so stale cache contents (even NaN) never reach the output.
 
 Split-KV (split_kv.py): a decode bucket with few sequence slots splits each KV range `num_splits` ways, a third
 grid axis; each part is written normalised by its own sum, with its running max and sum, and XLA combines them.
 
 What it takes: 16-bit queries and pages (bfloat16, float16), head dims a multiple of 64 (the 128-byte swizzle of
-a 16-bit row), GQA groups of at most ROWS heads and power-of-two pages (8-128 tokens). `check_layout` says which
+a 16-bit row), GQA groups of at most R heads and power-of-two pages (8-128 tokens). `check_layout` says which
 condition a shape misses; the dispatcher then takes the Triton kernel for it.
 """
 
@@ -44,26 +46,43 @@ from jpaged.pallas.common import (
 )
 from jpaged.pallas.split_kv import choose_num_splits, combine_splits
 
-ROWS = 64  # wgmma's M: query rows (tokens x GQA heads) of one tile
+ARCHS = ("hopper", "blackwell")  # products by wgmma (sm_90a) or by tcgen05 into tensor memory (sm_100a)
+TILE_ROWS = {"hopper": 64, "blackwell": 128}  # query rows (tokens x GQA heads) of one tile: each product's M
 KV_TOKENS = 64  # keys a step attends to (at least one page)
 MAX_STAGES = 4  # shared-memory slots of the KV pipeline, where they fit
-SMEM_BUDGET = 200 * 1024  # of Hopper's 227 KiB a block may take, leaving room for Mosaic's own scratch
+SMEM_BUDGET = (
+    216 * 1024
+)  # of the 227 KiB a block may take on Hopper and Blackwell: room for Mosaic's own scratch
 
 
-def shared_memory_bytes(kv_tokens: int, head_dim: int, itemsize: int, page_itemsize: int, stages: int) -> int:
+def arch_for(compute_capability: str | None) -> str | None:
+    """The kernel's products for a GPU: Hopper's wgmma on 9.x, tcgen05 on datacenter Blackwell (10.x); None where
+    neither runs (before Hopper, and consumer Blackwell's 12.x, which has no tcgen05)."""
+    major = int(float(compute_capability)) if compute_capability else 0
+    return {9: "hopper", 10: "blackwell"}.get(major)
+
+
+def _layout(arch: str):
+    """The register layout the products leave their results in, which the softmax's masks follow."""
+    return plgpu.Layout.TCGEN05 if arch == "blackwell" else plgpu.Layout.WGMMA
+
+
+def shared_memory_bytes(
+    kv_tokens: int, head_dim: int, itemsize: int, page_itemsize: int, stages: int, rows: int
+) -> int:
     """The query tile, p, `stages` slots of K and V pages, and (FP8 pages) one slot of each widened."""
     widened = 2 * kv_tokens * head_dim * itemsize if page_itemsize != itemsize else 0
     pages = 2 * stages * kv_tokens * head_dim * page_itemsize
-    return (ROWS * head_dim + ROWS * kv_tokens) * itemsize + pages + widened
+    return (rows * head_dim + rows * kv_tokens) * itemsize + pages + widened
 
 
-def pipeline_stages(kv_tokens: int, head_dim: int, itemsize: int, page_itemsize: int) -> int:
+def pipeline_stages(kv_tokens: int, head_dim: int, itemsize: int, page_itemsize: int, rows: int) -> int:
     """The KV pipeline's depth: the most slots (2 to MAX_STAGES) that fit in shared memory; deeper pipelines keep
     more copies in flight, which is what decode's bandwidth needs."""
     fits = [
         n
         for n in range(2, MAX_STAGES + 1)
-        if shared_memory_bytes(kv_tokens, head_dim, itemsize, page_itemsize, n) <= SMEM_BUDGET
+        if shared_memory_bytes(kv_tokens, head_dim, itemsize, page_itemsize, n, rows) <= SMEM_BUDGET
     ]
     return max(fits, default=2)
 
@@ -74,7 +93,13 @@ KERNEL_CALL = "mosaic_gpu_v2"  # the custom call a Mosaic GPU kernel lowers to
 
 
 def check_layout(
-    num_q_heads: int, num_kv_heads: int, block_size: int, head_dim: int, dtype, kv_dtype=None
+    num_q_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype,
+    kv_dtype=None,
+    arch: str = "hopper",
 ) -> None:
     """Raises ValueError naming the condition a cache layout misses for this kernel's wgmma tiles: `dtype` is the
     queries' (and the model's), `kv_dtype` the pages' (default `dtype`; float8_e4m3fn pages are widened)."""
@@ -87,14 +112,15 @@ def check_layout(
         )
     if head_dim % 64:
         raise ValueError(f"the Mosaic GPU kernel needs a head dim that is a multiple of 64, not {head_dim}")
-    if num_q_heads // num_kv_heads > ROWS:
-        raise ValueError(f"the Mosaic GPU kernel packs at most {ROWS} query heads a KV head")
+    rows = TILE_ROWS[arch]
+    if num_q_heads // num_kv_heads > rows:
+        raise ValueError(f"the Mosaic GPU kernel packs at most {rows} query heads a KV head")
     if block_size not in (8, 16, 32, 64, 128):
         raise ValueError(
             f"the Mosaic GPU kernel needs pages of 8-128 tokens (a power of two), not {block_size}"
         )
     kv_tokens = max(KV_TOKENS, block_size)
-    if shared_memory_bytes(kv_tokens, head_dim, dtype.itemsize, kv_dtype.itemsize, stages=2) > SMEM_BUDGET:
+    if shared_memory_bytes(kv_tokens, head_dim, dtype.itemsize, kv_dtype.itemsize, 2, rows) > SMEM_BUDGET:
         raise ValueError(
             f"the Mosaic GPU kernel's two-stage pipeline of {block_size}-token pages with head dim {head_dim} needs "
             f"more than {SMEM_BUDGET // 1024} KiB of shared memory"
@@ -126,20 +152,25 @@ def _kernel(
     query_start_ref,  # [S + 1]
     tile_seq_ref,  # [tiles]: the sequence a tile serves, -1 for none
     tile_first_ref,  # [tiles]: the tile's first token within its sequence
-    q_ref,  # [Hk, tiles, ROWS, D]
+    q_ref,  # [Hk, tiles, R, D]
     k_ref,  # [L, N, B, Hk, D]
     v_ref,
     *outputs,
-    q_smem,  # [ROWS, D]
+    q_smem,  # [R, D]
     k_pages,  # [stages, kv_tokens, D], the pages' dtype: where TMA copies them
     v_pages,
-    p_smem,  # [ROWS, kv_tokens]
+    p_smem,  # [R, kv_tokens]
     q_barrier,
     k_barriers,
     v_barriers,
-    row_smem=None,  # [ROWS] float32, with several splits
-    k_wide=None,  # [kv_tokens, D] q's dtype, for FP8 pages: the step's pages widened for wgmma
+    row_smem=None,  # [R] float32, with several splits
+    k_wide=None,  # [kv_tokens, D] q's dtype, for FP8 pages: the step's pages widened for the products
     v_wide=None,
+    scores_tmem=None,  # Blackwell: the products' accumulators in tensor memory, and their completion barriers
+    values_tmem=None,
+    scores_done=None,
+    values_done=None,
+    arch: str,
     sm_scale: float,
     windowed: bool,
     soft_cap: float | None,
@@ -149,13 +180,30 @@ def _kernel(
     stages: int,
     num_splits: int,
 ):
-    """`outputs`: with one split o [1, Hk, tiles, ROWS, D]; with several, o (each split's part normalised by its
-    own sum) and that part's running max and sum [K, Hk, tiles, ROWS]."""
+    """`outputs`: with one split o [1, Hk, tiles, R, D]; with several, o (each split's part normalised by its
+    own sum) and that part's running max and sum [K, Hk, tiles, R]."""
     o_ref = outputs[0]
+    rows, layout = TILE_ROWS[arch], _layout(arch)
+
+    def product(a, b, tmem, done):
+        """a @ b in float32 registers (a, b in shared memory): one wgmma, or one tcgen05 into tensor memory."""
+        if arch == "blackwell":
+            plgpu.tcgen05_mma(tmem, a, b, done, accumulate=False)
+            plgpu.barrier_wait(done)
+            result = plgpu.async_load_tmem(tmem)
+            plgpu.wait_load_tmem()
+            return result
+
+        def wgmma(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+            return acc_ref[...]
+
+        return pl.run_scoped(wgmma, plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32))
+
     block_size = k_ref.shape[2]
     table_width = block_tables_ref.shape[1]
     pages_per_step = kv_tokens // block_size
-    tile_tokens = ROWS // group
+    tile_tokens = rows // group
     kv_head, tile, split = lax.axis_index("kv_heads"), lax.axis_index("tiles"), lax.axis_index("splits")
     seq = tile_seq_ref[tile]
 
@@ -194,24 +242,24 @@ def _kernel(
         for stage in range(stages - 1):
             pl.when(first_step + stage < last_step)(functools.partial(fetch, first_step + stage, stage))
 
-        row = plgpu.broadcasted_iota(jnp.int32, (ROWS, kv_tokens), 0, layout=plgpu.Layout.WGMMA)
-        column = plgpu.broadcasted_iota(jnp.int32, (ROWS, kv_tokens), 1, layout=plgpu.Layout.WGMMA)
+        row = plgpu.broadcasted_iota(jnp.int32, (rows, kv_tokens), 0, layout=layout)
+        column = plgpu.broadcasted_iota(jnp.int32, (rows, kv_tokens), 1, layout=layout)
         q_position = context + first + row // group
         score_scale = sm_scale * floats_ref[0]
 
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        m_start = plgpu.layout_cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row_layout)
-        l_start = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+        row_layout = layout.reduce(1)
+        m_start = plgpu.layout_cast(jnp.full((rows,), NEG_INF, jnp.float32), row_layout)
+        l_start = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
         # A row's softmax starts from its head's sink (max the sink, sum 1), in the first split only.
         if has_sinks:
-            head = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=row_layout) % group
+            head = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=row_layout) % group
             sink = m_start
             for g in range(group):
                 sink = jnp.where(head == g, floats_ref[2 + kv_head * group + g], sink)
             first_split = jnp.where(split == 0, 1.0, 0.0)  # scalars: no vector select on a scalar predicate
             m_start = jnp.maximum(sink + (1.0 - first_split) * NEG_INF, NEG_INF)
             l_start = l_start + first_split
-        acc_start = plgpu.layout_cast(jnp.zeros((ROWS, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+        acc_start = plgpu.layout_cast(jnp.zeros((rows, q_smem.shape[-1]), jnp.float32), layout)
         plgpu.barrier_wait(q_barrier)
 
         def step(i, carry):
@@ -226,11 +274,7 @@ def _kernel(
                 plgpu.commit_smem()
                 keys = k_wide
 
-            def scores_of(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, keys.T)
-                return acc_ref[...]
-
-            scores = pl.run_scoped(scores_of, plgpu.ACC((ROWS, kv_tokens), jnp.float32)) * score_scale
+            scores = product(q_smem, keys.T, scores_tmem, scores_done) * score_scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             k_position = kv_begin + i * kv_tokens + column
@@ -261,11 +305,7 @@ def _kernel(
                 pl.when(kv_begin + (i + 1) * kv_tokens > kv_len)(lambda: without_stale_values(values, values))
             plgpu.commit_smem()
 
-            def values_of(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, values)
-                return acc_ref[...]
-
-            acc = acc + pl.run_scoped(values_of, plgpu.ACC(acc.shape, jnp.float32))
+            acc = acc + product(p_smem, values, values_tmem, values_done)
             return acc, m_new, denom
 
         acc, m, denom = lax.fori_loop(first_step, last_step, step, (acc_start, m_start, l_start))
@@ -314,11 +354,13 @@ def ragged_paged_attention_stacked(
     sinks: jax.Array | None = None,
     interpret=False,
     num_splits: int | None = None,
+    arch: str = "hopper",
 ) -> jax.Array:
     """Attention over layer `layer` of a stacked cache `[L, N, B, Hk, D]`, read in place (no per-layer copy).
 
     `interpret`: True (or GPU interpret mode's parameters) runs the kernel in JAX's GPU interpret mode on the CPU.
-    `num_splits` overrides the bucket's split-KV choice (tests use it to run every path on small shapes).
+    `num_splits` overrides the bucket's split-KV choice (tests use it to run every path on small shapes). `arch`
+    names the products: "hopper" (wgmma, 64-row tiles) or "blackwell" (tcgen05 into tensor memory, 128-row tiles).
     """
     check_inputs(
         q,
@@ -338,17 +380,18 @@ def ragged_paged_attention_stacked(
         raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
-    check_layout(num_q_heads, num_kv_heads, block_size, head_dim, q.dtype, k_cache.dtype)
+    check_layout(num_q_heads, num_kv_heads, block_size, head_dim, q.dtype, k_cache.dtype, arch)
+    rows = TILE_ROWS[arch]
     group = num_q_heads // num_kv_heads
-    tile_tokens = ROWS // group
+    tile_tokens = rows // group
     num_tiles = pl.cdiv(num_tokens, tile_tokens) + kv_lens.shape[0]
     kv_tokens = max(KV_TOKENS, block_size)
     tile_seq, tile_first = tile_map(query_start, num_seqs, tile_tokens, num_tiles)
 
     # Query tiles: row r of tile t holds token `first + r // group` of the tile's sequence, head `r % group` of
     # the KV head's group; rows past the tile's tokens (or the sequence's) are zero.
-    row = jnp.arange(ROWS, dtype=jnp.int32)
-    token_in_seq = tile_first[:, None] + row // group  # [tiles, ROWS]
+    row = jnp.arange(rows, dtype=jnp.int32)
+    token_in_seq = tile_first[:, None] + row // group  # [tiles, rows]
     seq = jnp.maximum(tile_seq, 0)[:, None]
     row_live = (
         (tile_seq[:, None] >= 0)
@@ -357,28 +400,35 @@ def ragged_paged_attention_stacked(
     )
     token = jnp.where(row_live, query_start[seq] + token_in_seq, 0)
     grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    q_tiles = grouped[token, :, (row % group)[None, :]]  # [tiles, ROWS, Hk, D]
+    q_tiles = grouped[token, :, (row % group)[None, :]]  # [tiles, rows, Hk, D]
     q_tiles = jnp.where(row_live[..., None, None], q_tiles, 0).transpose(2, 0, 1, 3)
 
     if num_splits is None:
         max_kv_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_tokens, kv_lens.shape[0], num_kv_heads, max_kv_len)
     pages = k_cache.dtype
-    stages = pipeline_stages(kv_tokens, head_dim, q.dtype.itemsize, pages.itemsize)
+    stages = pipeline_stages(kv_tokens, head_dim, q.dtype.itemsize, pages.itemsize, rows)
     tile_shape = (num_splits, *q_tiles.shape)
     out_type = [jax.ShapeDtypeStruct(tile_shape, q.dtype)]
     scratch = dict(
-        q_smem=_swizzled((ROWS, head_dim), q.dtype),
+        q_smem=_swizzled((rows, head_dim), q.dtype),
         k_pages=_swizzled((stages, kv_tokens, head_dim), pages),
         v_pages=_swizzled((stages, kv_tokens, head_dim), pages),
-        p_smem=_swizzled((ROWS, kv_tokens), q.dtype),
+        p_smem=_swizzled((rows, kv_tokens), q.dtype),
         q_barrier=plgpu.Barrier(),
         k_barriers=plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=stages),
         v_barriers=plgpu.Barrier(num_arrivals=kv_tokens // block_size, num_barriers=stages),
     )
     if num_splits > 1:
         out_type += [jax.ShapeDtypeStruct(tile_shape[:-1], jnp.float32)] * 2
-        scratch["row_smem"] = plgpu.SMEM((ROWS,), jnp.float32)
+        scratch["row_smem"] = plgpu.SMEM((rows,), jnp.float32)
+    if arch == "blackwell":
+        scratch.update(
+            scores_tmem=plgpu.TMEM((rows, kv_tokens), jnp.float32),
+            values_tmem=plgpu.TMEM((rows, head_dim), jnp.float32),
+            scores_done=plgpu.Barrier(orders_tensor_core=True),
+            values_done=plgpu.Barrier(orders_tensor_core=True),
+        )
     if pages != q.dtype:
         scratch.update(
             k_wide=_swizzled((kv_tokens, head_dim), q.dtype), v_wide=_swizzled((kv_tokens, head_dim), q.dtype)
@@ -386,6 +436,7 @@ def ragged_paged_attention_stacked(
     parts = plgpu.kernel(
         functools.partial(
             _kernel,
+            arch=arch,
             sm_scale=float(sm_scale),
             windowed=sliding_window is not None,
             soft_cap=logits_soft_cap,
@@ -427,7 +478,7 @@ def ragged_paged_attention_stacked(
     token_row = (position % tile_tokens)[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
 
     def untiled(x: jax.Array) -> jax.Array:
-        """[K, Hk, tiles, ROWS, ...] -> [K, T, Hq, ...]."""
+        """[K, Hk, tiles, rows, ...] -> [K, T, Hq, ...]."""
         rows = x[:, :, token_tile[:, None], token_row]  # [K, Hk, T, G, ...]
         rows = jnp.moveaxis(rows, 1, 2)  # [K, T, Hk, G, ...]
         return rows.reshape(num_splits, num_tokens, num_q_heads, *x.shape[4:])
