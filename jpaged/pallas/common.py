@@ -60,6 +60,29 @@ def check_inputs(
         raise ValueError(f"logits_soft_cap must be positive, got {soft_cap}")
 
 
+def check_stacked_inputs(
+    q, k_cache, v_cache, kv_lens, block_tables, query_start, num_seqs, **options
+) -> None:
+    """check_inputs for a stacked-cache kernel, whose cache is `[L, N, B, Hk, D]`; `options` are the contract's
+    (sliding_window, logits_soft_cap, k_scale, v_scale, sinks)."""
+    check_inputs(
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start,
+        num_seqs,
+        options["sliding_window"],
+        options["logits_soft_cap"],
+        options["k_scale"],
+        options["v_scale"],
+        options["sinks"],
+    )
+    if k_cache.ndim != 5:
+        raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
+
+
 def check_dtypes(q, k_pages, v_pages) -> None:
     """Pages hold q's dtype, or float8_e4m3fn under float32 or bfloat16 queries; raises ValueError naming the field."""
     if q.dtype not in SUPPORTED_DTYPES:

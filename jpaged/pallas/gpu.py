@@ -40,7 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jpaged.pallas.common import (
     NEG_INF,
-    check_inputs,
+    check_stacked_inputs,
     find_tile_sequence,
     floats_operand,
     over_pages,
@@ -229,7 +229,7 @@ def ragged_paged_attention_stacked(
 
     `tiling` and `num_splits` override the static choices (tests use them to run every path on any shapes).
     """
-    check_inputs(
+    check_stacked_inputs(
         q,
         k_cache,
         v_cache,
@@ -237,14 +237,12 @@ def ragged_paged_attention_stacked(
         block_tables,
         query_start,
         num_seqs,
-        sliding_window,
-        logits_soft_cap,
-        k_scale,
-        v_scale,
-        sinks,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sinks=sinks,
     )
-    if k_cache.ndim != 5:
-        raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seq_slots = kv_lens.shape[0]

@@ -38,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jpaged.pallas.common import (
     FP8_PAGES,
     NEG_INF,
-    check_inputs,
+    check_stacked_inputs,
     floats_operand,
     over_pages,
     unbounded_if_none,
@@ -362,7 +362,7 @@ def ragged_paged_attention_stacked(
     `num_splits` overrides the bucket's split-KV choice (tests use it to run every path on small shapes). `arch`
     names the products: "hopper" (wgmma, 64-row tiles) or "blackwell" (tcgen05 into tensor memory, 128-row tiles).
     """
-    check_inputs(
+    check_stacked_inputs(
         q,
         k_cache,
         v_cache,
@@ -370,14 +370,12 @@ def ragged_paged_attention_stacked(
         block_tables,
         query_start,
         num_seqs,
-        sliding_window,
-        logits_soft_cap,
-        k_scale,
-        v_scale,
-        sinks,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sinks=sinks,
     )
-    if k_cache.ndim != 5:
-        raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     check_layout(num_q_heads, num_kv_heads, block_size, head_dim, q.dtype, k_cache.dtype, arch)

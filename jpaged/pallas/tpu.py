@@ -36,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jpaged.pallas.common import (
     FP8_PAGES,
     NEG_INF,
-    check_inputs,
+    check_stacked_inputs,
     find_tile_sequence,
     floats_operand,
     over_pages,
@@ -314,7 +314,7 @@ def ragged_paged_attention_stacked(
     `tile_tokens` overrides the static choice (decode-heavy buckets, T <= 2 S: 8 tokens; otherwise 32).
     With `interpret=True` the kernel runs in Pallas' TPU simulator (DMAs, semaphores, NaN-filled scratch).
     """
-    check_inputs(
+    check_stacked_inputs(
         q,
         k_cache,
         v_cache,
@@ -322,14 +322,12 @@ def ragged_paged_attention_stacked(
         block_tables,
         query_start,
         num_seqs,
-        sliding_window,
-        logits_soft_cap,
-        k_scale,
-        v_scale,
-        sinks,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sinks=sinks,
     )
-    if k_cache.ndim != 5:
-        raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     if q.dtype not in (jnp.float32, jnp.bfloat16):

@@ -16,7 +16,7 @@ import numpy as np
 
 from jpaged.pallas.common import (
     FP8_PAGES,
-    check_inputs,
+    check_stacked_inputs,
     over_pages,
     scale_operand,
     sinks_operand,
@@ -92,22 +92,20 @@ def ragged_paged_attention_stacked(
         pages = [jax.ShapeDtypeStruct(x.shape, q.dtype) for x in pages]
     if k_cache.dtype == jnp.uint8:  # an e4m3 pool stored as its bytes
         pages = [jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn) for x in pages]
-    check_inputs(
+    check_stacked_inputs(
         q,
         *pages,
         kv_lens,
         block_tables,
         query_start,
         num_seqs,
-        sliding_window,
-        logits_soft_cap,
-        k_scale,
-        v_scale,
-        sinks,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sinks=sinks,
     )
     check_layout(q.shape[-1], q.dtype)
-    if k_cache.ndim != 5:
-        raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")
     library.require()
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
