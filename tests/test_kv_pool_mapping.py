@@ -1,6 +1,7 @@
-"""The CPU kernel's KV pool is never zero-filled; at start-up the engine maps in the blocks a full batch of
-max_model_len sequences can hold (every layer's K and V), so no step of such a batch faults a page in, and leaves the
-rest (prefix cache only) to be mapped in as written. Mapping in writes nothing."""
+"""The CPU kernel's KV pool is never zero-filled; from start-up the engine maps in, in the background, the blocks a
+full batch of max_model_len sequences can hold (every layer's K and V, lowest blocks first), so no step of such a
+batch faults a page in, and leaves the rest (prefix cache only) to be mapped in as written. Mapping in writes
+nothing."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def skip_unless_the_kernel_maps_in(pool: jax.Array) -> None:
 def test_the_first_blocks_of_every_layer_are_mapped_in_and_the_rest_is_not():
     # 8 KiB blocks, 16 MiB layers
     pool = dropped(cpu_attention.uninitialized((3, 2048, 16, 2, 64), jnp.float32))
-    mapped = cpu_attention.map_in_first_blocks([pool], 100)
+    mapped = cpu_attention.map_in_first_blocks(cpu_attention.pool_spans([pool]), 100)
     if mapped == 0:
         skip_unless_the_kernel_maps_in(pool)
     assert mapped == 3 * 100 * 8192
@@ -74,10 +75,22 @@ def test_the_first_blocks_of_every_layer_are_mapped_in_and_the_rest_is_not():
         assert not resident(start, length).any()
 
 
+def test_blocks_are_mapped_in_lowest_first_across_every_layer(monkeypatch):
+    """What the first requests write (the lowest blocks of every layer) is mapped in before anything above it."""
+    monkeypatch.setattr(cpu_attention, "MAP_CHUNK", 64 * 8192)  # 64 of these 8 KiB blocks at a time
+    pool = cpu_attention.uninitialized((3, 256, 16, 2, 64), jnp.float32)
+    calls = []
+    monkeypatch.setattr(huge_pages, "populate", lambda start, length: calls.append((start, length)) or True)
+    assert cpu_attention.map_in_first_blocks(cpu_attention.pool_spans([pool]), 200) == 3 * 200 * 8192
+    firsts = [(start - pool.unsafe_buffer_pointer()) % (256 * 8192) // 8192 for start, _ in calls]
+    assert firsts == [0, 0, 0, 64, 64, 64, 128, 128, 128, 192, 192, 192]
+    assert [length // 8192 for _, length in calls] == [64] * 9 + [8] * 3
+
+
 def test_mapping_in_keeps_what_the_memory_holds():
     values = np.random.default_rng(0).standard_normal((2, 64, 16, 2, 64)).astype(np.float32)
     pool = jnp.asarray(values)
-    cpu_attention.map_in_first_blocks([pool], 64)
+    cpu_attention.map_in_first_blocks(cpu_attention.pool_spans([pool]), 64)
     np.testing.assert_array_equal(np.asarray(pool), values)
     # less than a page: nothing to do, not a failure
     assert huge_pages.populate(pool.unsafe_buffer_pointer(), 10)
@@ -97,6 +110,7 @@ def test_the_engine_maps_in_a_full_batch_worth_of_blocks_at_start_up(tiny_model_
         num_blocks=4096,
     )
     runner = llm.engine.runner
+    assert runner.kv_pool_mapped.wait(timeout=600)  # in the background: a bound, not a race
     assert asked == [1 + 4 * runner.max_blocks_per_seq]  # the null block and 4 sequences of 64 tokens
     skip_unless_the_kernel_maps_in(runner.kv_cache.k)
     for pool in runner.kv_cache:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -366,14 +367,36 @@ class ModelRunner:
         kv_cache = _in_huge_pages(
             init_kv_cache(mc, self.num_blocks, self.block_size, self.kv_dtype, allocate), "KV pool"
         )
+        # Set once the mapping below is over (at once where there is none).
+        self.kv_pool_mapped = threading.Event()
         if allocate is cpu_attention.uninitialized:
-            # Committed before the first request, as much as a full batch of max_model_len sequences can hold: its
-            # writes then never fault a page in (cpu/attention.py). The rest, prefix cache only, maps in as written.
-            start = time.perf_counter()
+            # As much as a full batch of max_model_len sequences can hold is mapped in, lowest blocks first (those
+            # the first requests write), so that no batch's writes fault a page in (cpu/attention.py); in the
+            # background, beside warm-up and the first requests, not before them. The rest, prefix cache only, maps
+            # in as written.
             blocks = 1 + self.config.max_num_seqs * self.max_blocks_per_seq
-            mapped = cpu_attention.map_in_first_blocks(kv_cache, blocks)
-            logger.info("KV pool: %.0f MiB mapped in, in %.1f s", mapped / 2**20, time.perf_counter() - start)
+            # The spans are read here: a step may donate the pool's arrays before the mapper runs.
+            spans = cpu_attention.pool_spans(kv_cache)
+            threading.Thread(
+                target=self._map_in,
+                args=(spans, blocks, self.kv_pool_mapped),
+                name="kv-pool-map",
+                daemon=True,
+            ).start()
+        else:
+            self.kv_pool_mapped.set()
         return kv_cache
+
+    @staticmethod
+    def _map_in(spans: list, blocks: int, done: threading.Event) -> None:
+        """Map in the pool's first `blocks` (madvise, outside the GIL) and say so."""
+        start = time.perf_counter()
+        try:
+            mapped = cpu_attention.map_in_first_blocks(spans, blocks)
+            seconds = time.perf_counter() - start
+            logger.info("KV pool: %.0f MiB mapped in, in %.1f s (in the background)", mapped / 2**20, seconds)
+        finally:
+            done.set()
 
     def update_weights(self, params: dict) -> None:
         """Run on these weights from the next step (the loaders' layout; the engine checks that they match the

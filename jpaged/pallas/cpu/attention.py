@@ -10,6 +10,8 @@ the XLA reference.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,23 +38,50 @@ def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
     return jax.jit(jax.ffi.ffi_call(_UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(shape, dtype)))()
 
 
-def map_in_first_blocks(kv_cache, count: int) -> int:
-    """Map in the memory of blocks [0, count) of every layer of an `uninitialized` pool [L, N, B, Hk, D] (each CPU
-    buffer of it), as writes would, without writing; returns the bytes mapped in (0 where the OS cannot).
+MAP_CHUNK = 4 << 20  # bytes of a layer's blocks mapped in at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpan:
+    """Where one CPU buffer of a pool [L, N, B, Hk, D] lies: read off the array while it is alive, so that a mapper
+    in another thread needs no array (a step donates the pool's arrays; the memory stays the pool's)."""
+
+    address: int
+    layer_bytes: int
+    layers: int
+    num_blocks: int
+
+
+def pool_spans(kv_cache) -> list[PoolSpan]:
+    """The spans of every CPU buffer of an `uninitialized` pool."""
+    return [
+        PoolSpan(buffer.unsafe_buffer_pointer(), buffer.nbytes // buffer.shape[0], *buffer.shape[:2])
+        for buffer in huge_pages.cpu_buffers(kv_cache)
+    ]
+
+
+def map_in_first_blocks(spans: list[PoolSpan], count: int) -> int:
+    """Map in the memory of blocks [0, count) of every layer of a pool's `spans`, as writes would, without writing;
+    returns the bytes mapped in (0 where the OS cannot).
 
     Each page of such a pool is otherwise mapped in when a step first writes it: a page fault inside the step's KV
     write, which the step's other threads wait on, and in a VM the host's first touch of that memory too
     (scripts/KERNELS.md: ~10% of a fresh engine's first batches). Blocks are handed out from the lowest free one
-    (core/block_pool.py), so the first `count` are the ones a start-up's batches write."""
+    (core/block_pool.py), so the first `count` are the ones a start-up's batches write, and they are mapped in
+    lowest first across every layer (MAP_CHUNK at a time): mapping beside a serving engine (ModelRunner does it in
+    the background), the blocks its first requests write are the first mapped in."""
     done = 0
-    for buffer in huge_pages.cpu_buffers(kv_cache):
-        layers, num_blocks = buffer.shape[:2]
-        base, layer_bytes = buffer.unsafe_buffer_pointer(), buffer.nbytes // layers
-        length = layer_bytes // num_blocks * min(count, num_blocks)
-        for layer in range(layers):
-            if not huge_pages.populate(base + layer * layer_bytes, length):
-                return done
-            done += length
+    for span in spans:
+        block_bytes, end = span.layer_bytes // span.num_blocks, min(count, span.num_blocks)
+        chunk = max(1, MAP_CHUNK // block_bytes)
+        for first in range(0, end, chunk):
+            length = block_bytes * (min(first + chunk, end) - first)
+            for layer in range(span.layers):
+                if not huge_pages.populate(
+                    span.address + layer * span.layer_bytes + first * block_bytes, length
+                ):
+                    return done
+                done += length
     return done
 
 
