@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.pallas import gpu, mosaic_gpu, tpu
+from jpaged.pallas import gpu, mosaic_gpu, mosaic_gpu_fit, tpu
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import library as cpu_library
 from jpaged.pallas.reference import ragged_paged_attention_reference
@@ -120,7 +120,7 @@ def kernels_for_backend(backend: str, dtype) -> dict[str, object]:
         return {"pallas": tpu.ragged_paged_attention}
     kernels = {"triton": gpu.ragged_paged_attention}
     try:
-        mosaic_gpu.check_layout(NUM_Q_HEADS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype)
+        mosaic_gpu_fit.check_layout(NUM_Q_HEADS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype)
         kernels["mosaic_gpu"] = mosaic_gpu.ragged_paged_attention
     except ValueError as err:
         print(f"mosaic_gpu: not timed ({err})")

@@ -25,7 +25,7 @@ from numpy_attention import ragged_paged_attention_numpy
 from test_pallas_attention import Bucket, Config, device_args, draw_step, fp8_pages, relative_error, sm_scale
 from test_pallas_lowering import step_shapes
 
-from jpaged.pallas import get_attention_fn, gpu_kernel_for, mosaic_gpu, resolve_attention_impl
+from jpaged.pallas import get_attention_fn, gpu_kernel_for, mosaic_gpu, query_tiles, resolve_attention_impl
 
 MOSAIC_GPU_CALL = mosaic_gpu.KERNEL_CALL
 JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
@@ -375,7 +375,7 @@ def test_tiles_cover_every_query_row_once():
     tile_tokens = 8
     num_tiles = pl.cdiv(40, tile_tokens) + 5
     tile_seq, tile_first = (
-        np.asarray(a) for a in mosaic_gpu.tile_map(query_start, num_seqs, tile_tokens, num_tiles)
+        np.asarray(a) for a in query_tiles.tile_map(query_start, num_seqs, tile_tokens, num_tiles)
     )
     covered = sorted(
         (int(s), int(f) + i)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import jax
 
 from jpaged.config import ATTENTION_IMPLS
+from jpaged.pallas import mosaic_gpu_fit
 from jpaged.pallas.common import over_pages
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import library as cpu_library
@@ -97,16 +98,14 @@ def gpu_kernel_for(
     """`pallas` on a GPU: ("mosaic_gpu" | "triton", why). Mosaic GPU on Hopper (compute capability 9.x: wgmma) and
     datacenter Blackwell (10.x: tcgen05) where its tiles fit the cache's layout; Triton before Hopper, on consumer
     Blackwell (12.x has no tcgen05) and for layouts the tiles do not fit."""
-    from jpaged.pallas import mosaic_gpu
-
-    arch = mosaic_gpu.arch_for(compute_capability)
+    arch = mosaic_gpu_fit.arch_for(compute_capability)
     if arch is None:
         return "triton", (
             "the Mosaic GPU kernel multiplies with Hopper's wgmma or datacenter Blackwell's tcgen05, which compute "
             f"capability {compute_capability} lacks"
         )
     try:
-        mosaic_gpu.check_layout(
+        mosaic_gpu_fit.check_layout(
             num_q_heads or num_kv_heads, num_kv_heads, block_size, head_dim, dtype, kv_dtype, arch
         )
     except ValueError as err:
@@ -147,19 +146,27 @@ def get_attention_fn(
         return paged_attention_stacked
     if impl == "cpu":
         return cpu_attention.ragged_paged_attention_stacked
-    if impl == "pallas" and backend == "gpu":
-        impl, why = gpu_kernel_for(
-            compute_capability or gpu_compute_capability(),
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            block_size=block_size,
-            head_dim=head_dim,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-        )
-        logger.info(
-            "GPU attention: the %s kernel (%s)", "Mosaic GPU" if impl == "mosaic_gpu" else "Triton", why
-        )
+    options = dict(interpret=interpret or backend == "cpu")
+    if backend == "gpu" and impl in ("pallas", "mosaic_gpu"):
+        capability = compute_capability or gpu_compute_capability()
+        if impl == "pallas":
+            impl, why = gpu_kernel_for(
+                capability,
+                num_q_heads=num_q_heads,
+                num_kv_heads=num_kv_heads,
+                block_size=block_size,
+                head_dim=head_dim,
+                dtype=dtype,
+                kv_dtype=kv_dtype,
+            )
+            kernel_name = "Mosaic GPU" if impl == "mosaic_gpu" else "Triton"
+            logger.info("GPU attention: the %s kernel (%s)", kernel_name, why)
+        if impl == "mosaic_gpu":
+            options["arch"] = mosaic_gpu_fit.arch_for(capability)
+            if options["arch"] is None:
+                raise ValueError(
+                    f"attention_impl='mosaic_gpu' needs Hopper or datacenter Blackwell, not {capability}"
+                )
     if backend == "tpu":
         from jpaged.pallas.tpu import check_tpu_layout
 
@@ -171,16 +178,6 @@ def get_attention_fn(
             logger.warning("TPU kernel cannot lay out this cache (%s); using the XLA reference", err)
             return paged_attention_stacked
     kernel = "tpu" if backend == "tpu" else impl
-    options = dict(interpret=interpret or backend == "cpu")
-    if kernel == "mosaic_gpu" and backend == "gpu":
-        from jpaged.pallas.mosaic_gpu import arch_for
-
-        capability = compute_capability or gpu_compute_capability()
-        options["arch"] = arch_for(capability)
-        if options["arch"] is None:
-            raise ValueError(
-                f"attention_impl='mosaic_gpu' needs Hopper or datacenter Blackwell, not {capability}"
-            )
     return functools.partial(_pallas_kernel(kernel), **options)
 
 

@@ -61,10 +61,21 @@ def check_inputs(
 
 
 def check_stacked_inputs(
-    q, k_cache, v_cache, kv_lens, block_tables, query_start, num_seqs, **options
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    query_start,
+    num_seqs,
+    *,
+    sliding_window,
+    logits_soft_cap,
+    k_scale,
+    v_scale,
+    sinks,
 ) -> None:
-    """check_inputs for a stacked-cache kernel, whose cache is `[L, N, B, Hk, D]`; `options` are the contract's
-    (sliding_window, logits_soft_cap, k_scale, v_scale, sinks)."""
+    """check_inputs for a stacked-cache kernel, whose cache is `[L, N, B, Hk, D]`."""
     check_inputs(
         q,
         k_cache,
@@ -73,11 +84,11 @@ def check_stacked_inputs(
         block_tables,
         query_start,
         num_seqs,
-        options["sliding_window"],
-        options["logits_soft_cap"],
-        options["k_scale"],
-        options["v_scale"],
-        options["sinks"],
+        sliding_window,
+        logits_soft_cap,
+        k_scale,
+        v_scale,
+        sinks,
     )
     if k_cache.ndim != 5:
         raise ValueError(f"k_cache must be [L, N, B, Hk, D], got shape {k_cache.shape}")

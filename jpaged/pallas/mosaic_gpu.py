@@ -1,28 +1,25 @@
-"""Ragged paged attention for Hopper and later on Mosaic GPU (`plgpu.kernel`): mixed prefill chunks and decodes.
+"""Ragged paged attention for Hopper and datacenter Blackwell on Mosaic GPU (`plgpu.kernel`): mixed prefill chunks
+and decodes in one launch.
 
-Shapes (letters as in jpaged.pallas.reference; G = Hq // Hk): the kernel works on query tiles of R rows (the
-products' M: 64 for Hopper's wgmma, 128 for Blackwell's tcgen05), each packing `R // G` consecutive tokens of ONE
-sequence times the G query heads that share a KV head.
-XLA lays the queries out as tiles before the launch (`[Hk, tiles, R, D]`, padding rows zero) and gathers the
-output tiles back to `[T, Hq, D]` after it, so every copy the kernel makes is a whole TMA box and no tile ever
-writes a row another tile owns. Sequence s owns tiles `query_start[s] // tile_tokens + s` onwards, as in the Triton
-kernel; the tile-to-sequence map is computed by XLA too (a tile no sequence owns is marked -1 and exits at once).
+The kernel works on query tiles of R rows, the products' M (64 for Hopper's wgmma, 128 for Blackwell's tcgen05),
+which XLA lays out before the launch and takes apart after it (query_tiles.py); a tile no sequence owns exits at once.
 
-The grid is (Hk, tiles). A program copies its query tile into shared memory, then walks its sequence's KV positions
-in steps of KV_TOKENS (64, or one page when pages are longer): each step's pages come through the block table by
-TMA copies into one of `stages` shared-memory slots (as many as fit, up to 4), the copies for step i + stages - 1
-issued before step i is
-computed. Scores are one product (`q @ k.T`), the softmax is online in float32 registers, and `p @ v` a second
-product with p staged in shared memory: wgmma on Hopper; on Blackwell tcgen05 into tensor memory, waited on its
-barrier and loaded to registers. V rows past the sequence's end are zeroed in shared memory before that wgmma,
-so stale cache contents (even NaN) never reach the output.
+The grid is (Hk, tiles, splits). A program copies its query tile into shared memory, then walks its sequence's KV
+positions in steps of KV_TOKENS (64, or one page when pages are longer): each step's pages come through the block
+table by TMA copies into one of `stages` shared-memory slots (as many as fit, up to 4), the copies for step
+i + stages - 1 issued before step i is computed. Scores are one product (`q @ k.T`), the softmax is online in
+float32 registers, and `p @ v` a second product with p staged in shared memory: wgmma on Hopper; on Blackwell
+tcgen05 into tensor memory, waited on its barrier and loaded to registers. V rows past the sequence's end are zeroed
+in shared memory before that product, so stale cache contents (even NaN) never reach the output. FP8 pages are
+copied as stored and widened into one 16-bit slot a step.
 
-Split-KV (split_kv.py): a decode bucket with few sequence slots splits each KV range `num_splits` ways, a third
+Split-KV (split_kv.py): a decode bucket with few sequence slots splits each KV range `num_splits` ways, the third
 grid axis; each part is written normalised by its own sum, with its running max and sum, and XLA combines them.
 
-What it takes: 16-bit queries and pages (bfloat16, float16), head dims a multiple of 64 (the 128-byte swizzle of
-a 16-bit row), GQA groups of at most R heads and power-of-two pages (8-128 tokens). `check_layout` says which
-condition a shape misses; the dispatcher then takes the Triton kernel for it.
+What it takes: 16-bit queries over pages of their dtype or float8_e4m3fn, head dims a multiple of 64 (the 128-byte
+swizzle of a 16-bit row), GQA groups of at most R heads, power-of-two pages (8-128 tokens) whose two pipeline stages
+fit in shared memory. `check_layout` says which condition a shape misses; the dispatcher then takes the Triton
+kernel for it.
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jpaged.pallas.common import (
-    FP8_PAGES,
     NEG_INF,
     check_stacked_inputs,
     floats_operand,
@@ -44,22 +40,9 @@ from jpaged.pallas.common import (
     unbounded_if_none,
     window_operand,
 )
+from jpaged.pallas.mosaic_gpu_fit import KV_TOKENS, TILE_ROWS, check_layout, pipeline_stages
+from jpaged.pallas.query_tiles import QueryTiles
 from jpaged.pallas.split_kv import choose_num_splits, combine_splits
-
-ARCHS = ("hopper", "blackwell")  # products by wgmma (sm_90a) or by tcgen05 into tensor memory (sm_100a)
-TILE_ROWS = {"hopper": 64, "blackwell": 128}  # query rows (tokens x GQA heads) of one tile: each product's M
-KV_TOKENS = 64  # keys a step attends to (at least one page)
-MAX_STAGES = 4  # shared-memory slots of the KV pipeline, where they fit
-SMEM_BUDGET = (
-    216 * 1024
-)  # of the 227 KiB a block may take on Hopper and Blackwell: room for Mosaic's own scratch
-
-
-def arch_for(compute_capability: str | None) -> str | None:
-    """The kernel's products for a GPU: Hopper's wgmma on 9.x, tcgen05 on datacenter Blackwell (10.x); None where
-    neither runs (before Hopper, and consumer Blackwell's 12.x, which has no tcgen05)."""
-    major = int(float(compute_capability)) if compute_capability else 0
-    return {9: "hopper", 10: "blackwell"}.get(major)
 
 
 def _layout(arch: str):
@@ -67,64 +50,8 @@ def _layout(arch: str):
     return plgpu.Layout.TCGEN05 if arch == "blackwell" else plgpu.Layout.WGMMA
 
 
-def shared_memory_bytes(
-    kv_tokens: int, head_dim: int, itemsize: int, page_itemsize: int, stages: int, rows: int
-) -> int:
-    """The query tile, p, `stages` slots of K and V pages, and (FP8 pages) one slot of each widened."""
-    widened = 2 * kv_tokens * head_dim * itemsize if page_itemsize != itemsize else 0
-    pages = 2 * stages * kv_tokens * head_dim * page_itemsize
-    return (rows * head_dim + rows * kv_tokens) * itemsize + pages + widened
-
-
-def pipeline_stages(kv_tokens: int, head_dim: int, itemsize: int, page_itemsize: int, rows: int) -> int:
-    """The KV pipeline's depth: the most slots (2 to MAX_STAGES) that fit in shared memory; deeper pipelines keep
-    more copies in flight, which is what decode's bandwidth needs."""
-    fits = [
-        n
-        for n in range(2, MAX_STAGES + 1)
-        if shared_memory_bytes(kv_tokens, head_dim, itemsize, page_itemsize, n, rows) <= SMEM_BUDGET
-    ]
-    return max(fits, default=2)
-
-
 SWIZZLE = 128  # bytes: a 16-bit row of 64 elements
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 KERNEL_CALL = "mosaic_gpu_v2"  # the custom call a Mosaic GPU kernel lowers to
-
-
-def check_layout(
-    num_q_heads: int,
-    num_kv_heads: int,
-    block_size: int,
-    head_dim: int,
-    dtype,
-    kv_dtype=None,
-    arch: str = "hopper",
-) -> None:
-    """Raises ValueError naming the condition a cache layout misses for this kernel's wgmma tiles: `dtype` is the
-    queries' (and the model's), `kv_dtype` the pages' (default `dtype`; float8_e4m3fn pages are widened)."""
-    dtype, kv_dtype = jnp.dtype(dtype), jnp.dtype(kv_dtype or dtype)
-    if dtype not in DTYPES:
-        raise ValueError(f"the Mosaic GPU kernel takes bfloat16 or float16 queries and pages, not {dtype}")
-    if kv_dtype not in (dtype, FP8_PAGES):
-        raise ValueError(
-            f"the Mosaic GPU kernel reads pages of the queries' dtype or float8_e4m3fn, not {kv_dtype}"
-        )
-    if head_dim % 64:
-        raise ValueError(f"the Mosaic GPU kernel needs a head dim that is a multiple of 64, not {head_dim}")
-    rows = TILE_ROWS[arch]
-    if num_q_heads // num_kv_heads > rows:
-        raise ValueError(f"the Mosaic GPU kernel packs at most {rows} query heads a KV head")
-    if block_size not in (8, 16, 32, 64, 128):
-        raise ValueError(
-            f"the Mosaic GPU kernel needs pages of 8-128 tokens (a power of two), not {block_size}"
-        )
-    kv_tokens = max(KV_TOKENS, block_size)
-    if shared_memory_bytes(kv_tokens, head_dim, dtype.itemsize, kv_dtype.itemsize, 2, rows) > SMEM_BUDGET:
-        raise ValueError(
-            f"the Mosaic GPU kernel's two-stage pipeline of {block_size}-token pages with head dim {head_dim} needs "
-            f"more than {SMEM_BUDGET // 1024} KiB of shared memory"
-        )
 
 
 def interpret_params(detect_races: bool = True):
@@ -295,8 +222,10 @@ def _kernel(
             def without_stale_values(source, destination):  # p is 0 past the sequence, but 0 x NaN is not
                 key = plgpu.broadcasted_iota(jnp.int32, destination.shape, 0, layout=plgpu.Layout.WGMMA)
                 stale = kv_begin + i * kv_tokens + key >= kv_len
-                widened = source[...].astype(jnp.float32).astype(destination.dtype)
-                destination[...] = jnp.where(stale, 0, widened)
+                values = source[...]
+                if values.dtype != destination.dtype:  # FP8: through float32, as the keys
+                    values = values.astype(jnp.float32).astype(destination.dtype)
+                destination[...] = jnp.where(stale, 0, values)
 
             if v_wide is not None:
                 without_stale_values(values, v_wide)
@@ -320,20 +249,6 @@ def _kernel(
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(row_smem, row_ref.at[split, kv_head, tile])
         plgpu.wait_smem_to_gmem(0)
-
-
-def tile_map(query_start: jax.Array, num_seqs: jax.Array, tile_tokens: int, num_tiles: int):
-    """Each tile's sequence (-1: none) and first token within it: sequence s owns `ceil(q_len / tile_tokens)`
-    tiles from `query_start[s] // tile_tokens + s`."""
-    num_slots = query_start.shape[0] - 1
-    slots = jnp.arange(num_slots, dtype=jnp.int32)
-    first_tile = jnp.where(slots < num_seqs[0], query_start[:-1] // tile_tokens + slots, jnp.int32(1 << 30))
-    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(first_tile, tiles, side="right").astype(jnp.int32) - 1, 0, num_slots - 1)
-    first = (tiles - first_tile[seq]) * tile_tokens
-    q_len = query_start[seq + 1] - query_start[seq]
-    owned = (tiles >= first_tile[0]) & (first < q_len) & (num_seqs[0] > 0)
-    return jnp.where(owned, seq, -1), jnp.where(owned, first, 0)
 
 
 def ragged_paged_attention_stacked(
@@ -380,26 +295,9 @@ def ragged_paged_attention_stacked(
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     check_layout(num_q_heads, num_kv_heads, block_size, head_dim, q.dtype, k_cache.dtype, arch)
     rows = TILE_ROWS[arch]
-    group = num_q_heads // num_kv_heads
-    tile_tokens = rows // group
-    num_tiles = pl.cdiv(num_tokens, tile_tokens) + kv_lens.shape[0]
     kv_tokens = max(KV_TOKENS, block_size)
-    tile_seq, tile_first = tile_map(query_start, num_seqs, tile_tokens, num_tiles)
-
-    # Query tiles: row r of tile t holds token `first + r // group` of the tile's sequence, head `r % group` of
-    # the KV head's group; rows past the tile's tokens (or the sequence's) are zero.
-    row = jnp.arange(rows, dtype=jnp.int32)
-    token_in_seq = tile_first[:, None] + row // group  # [tiles, rows]
-    seq = jnp.maximum(tile_seq, 0)[:, None]
-    row_live = (
-        (tile_seq[:, None] >= 0)
-        & (row < tile_tokens * group)
-        & (token_in_seq < query_start[seq + 1] - query_start[seq])
-    )
-    token = jnp.where(row_live, query_start[seq] + token_in_seq, 0)
-    grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    q_tiles = grouped[token, :, (row % group)[None, :]]  # [tiles, rows, Hk, D]
-    q_tiles = jnp.where(row_live[..., None, None], q_tiles, 0).transpose(2, 0, 1, 3)
+    tiles = QueryTiles.of(num_tokens, query_start, num_seqs, rows, num_q_heads // num_kv_heads)
+    q_tiles = tiles.lay_out(q)
 
     if num_splits is None:
         max_kv_len = block_tables.shape[1] * block_size
@@ -439,13 +337,13 @@ def ragged_paged_attention_stacked(
             windowed=sliding_window is not None,
             soft_cap=logits_soft_cap,
             has_sinks=sinks is not None,
-            group=group,
+            group=tiles.group,
             kv_tokens=kv_tokens,
             stages=stages,
             num_splits=num_splits,
         ),
         out_type=out_type,
-        grid=(num_kv_heads, num_tiles, num_splits),
+        grid=(num_kv_heads, tiles.num_tiles, num_splits),
         grid_names=("kv_heads", "tiles", "splits"),
         scratch_types=scratch,
         interpret=interpret_params() if interpret is True else (interpret or None),
@@ -456,37 +354,19 @@ def ragged_paged_attention_stacked(
         kv_lens,
         block_tables,
         query_start,
-        tile_seq,
-        tile_first,
+        tiles.seq,
+        tiles.first,
         q_tiles,
         k_cache,
         v_cache,
     )
 
-    # Back to [T, Hq, D]: token tau of sequence s (position p in it) sits in tile first_tile[s] + p // tile_tokens,
-    # row (p % tile_tokens) * group + g; tokens past the last sequence (bucket padding) are zero.
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    live_end = query_start[num_seqs[0]]
-    token_seq = jnp.searchsorted(query_start, tokens, side="right").astype(jnp.int32) - 1
-    token_seq = jnp.clip(token_seq, 0, kv_lens.shape[0] - 1)
-    position = tokens - query_start[token_seq]
-    token_tile = jnp.clip(
-        query_start[token_seq] // tile_tokens + token_seq + position // tile_tokens, 0, num_tiles - 1
-    )
-    token_row = (position % tile_tokens)[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
-
-    def untiled(x: jax.Array) -> jax.Array:
-        """[K, Hk, tiles, rows, ...] -> [K, T, Hq, ...]."""
-        rows = x[:, :, token_tile[:, None], token_row]  # [K, Hk, T, G, ...]
-        rows = jnp.moveaxis(rows, 1, 2)  # [K, T, Hk, G, ...]
-        return rows.reshape(num_splits, num_tokens, num_q_heads, *x.shape[4:])
-
     if num_splits == 1:
-        out = untiled(parts[0])[0]
+        out = tiles.taken_apart(num_tokens, parts[0])[0]
     else:
-        o, maxima, sums = (untiled(x) for x in parts)
+        o, maxima, sums = (tiles.taken_apart(num_tokens, x) for x in parts)
         out = combine_splits(o.astype(jnp.float32) * sums[..., None], maxima, sums)
-    return jnp.where((tokens < live_end)[:, None, None], out, 0).astype(q.dtype)
+    return jnp.where(tiles.live(num_tokens)[:, None, None], out, 0).astype(q.dtype)
 
 
 ragged_paged_attention = over_pages(ragged_paged_attention_stacked)
