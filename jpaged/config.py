@@ -8,6 +8,10 @@ from collections.abc import Mapping
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
+# How much warm-up compiles before the engine takes requests: every step program ("full"), or the smallest steps'
+# with the rest compiled in the background while it serves ("progressive"; runner/warmup_stages.py). `jpaged serve`
+# defaults to progressive, LLM and LLMEngine to full.
+WARMUPS = ("full", "progressive")
 # (max_num_seqs, max_num_batched_tokens) where the config leaves them None: vLLM's on accelerators; on CPU smaller,
 # since every padded token of a step costs there and compiling many shapes is slow.
 PLATFORM_DEFAULTS = {"cpu": (64, 512), "gpu": (256, 8192), "tpu": (256, 8192)}
@@ -137,6 +141,7 @@ class EngineConfig:
         "auto"  # "reference" (XLA), "pallas" (GPU/TPU), "mosaic_gpu"/"triton" (GPU), "cpu" (C++)
     )
     enforce_eager: bool = False  # skip warm-up; buckets compile on first use
+    warmup: str = "full"  # or "progressive" (see WARMUPS)
     # Schedule step N+1 while step N runs (its sampled tokens feed N+1 on the device); None: the platform's
     # default (ASYNC_SCHEDULING_DEFAULTS).
     async_scheduling: bool | None = None
@@ -182,6 +187,7 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
         _one_of(self, "preemption_mode", PREEMPTION_MODES)
+        _one_of(self, "warmup", WARMUPS)
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "attention_impl", ATTENTION_IMPLS)
         _one_of(self, "runner", RUNNERS)

@@ -34,6 +34,8 @@ _GAUGES = {
     "num_requests_running": "Requests with sequences in the running batch.",
     "num_requests_waiting": "Requests waiting (or swapped out) for a place in the batch.",
     "kv_cache_usage_perc": "Fraction of KV cache blocks in use (1 = full).",
+    "warmup_programs_remaining": "Step programs a progressive warm-up still compiles in the background "
+    "(steps stay smaller until they land; 0: every step shape is ready).",
 }
 _COUNTERS = {  # exported name -> (engine.metrics() key, help)
     "num_preemptions": ("num_preemptions", "Sequences preempted to free KV blocks."),
@@ -43,7 +45,11 @@ _COUNTERS = {  # exported name -> (engine.metrics() key, help)
     "generation_tokens": ("generation_tokens", "Tokens generated."),
     "num_compilations": (
         "num_compilations",
-        "Device step programs compiled (should stop growing after warm-up).",
+        "Device step programs compiled or loaded, warm-up's included (a progressive warm-up's grow after ready).",
+    ),
+    "num_live_compilations": (
+        "num_live_compilations",
+        "Device step programs compiled while a step waited for them: live requests paid each (0 with warm-up).",
     ),
 }
 

@@ -125,10 +125,11 @@ def test_an_idle_loop_gives_every_warm_up_shape_its_first_run(tiny_model_dir):
         outputs = asyncio.run(collect(async_engine, "after", [1, 2, 3], params))
         assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
         # each step shape's forward, each row count's sampling (one history width here: max_model_len 256),
-        # each token size's prompt-logprobs program
+        # each token size's prompt-logprobs program, each copy size's block copies
         shapes = engine.runner.shapes
         row_counts = {s for _, s in shapes.all_shapes()}
         expected = len(shapes.all_shapes()) + len(row_counts) + len(shapes.token_sizes)
+        expected += len(engine.runner.copy_sizes)
         assert engine.runner.sampling_widths.history_widths == (engine.config.max_model_len,)
         assert engine.metrics()["num_compilations"] == expected
     finally:

@@ -58,9 +58,10 @@ def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_
     for request_id in requests:
         assert warm_out[request_id].outputs[0].token_ids == eager_out[request_id].outputs[0].token_ids
     # each step shape's forward, each row count's sampling (one history width: max_model_len under 1024), each
-    # token size's prompt-logprobs program
+    # token size's prompt-logprobs program, each copy size's block copies
     assert warm.runner.sampling_widths.history_widths == (warm.config.max_model_len,)
     expected = len(shapes) + len({s for _, s in shapes}) + len(warm.runner.shapes.token_sizes)
+    expected += len(warm.runner.copy_sizes)
     assert warm.metrics()["num_compilations"] == expected
 
 

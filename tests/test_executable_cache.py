@@ -124,7 +124,7 @@ def test_a_restarted_engine_loads_every_step_shape_and_generates_the_same(tiny_l
     greedy = {"a": ([5, 9, 14, 2, 7], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))}
     first = LLMEngine(config, model=tiny_llama)
     saved = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*.exe")}
-    assert len(saved) == first.runner.num_compilations + len(first.runner.copy_sizes) > 0  # steps, CoW copies
+    assert len(saved) == first.runner.num_compilations > 0  # steps and CoW copies
     expected = run_requests(first, greedy)["a"].outputs[0].token_ids
     restarted = LLMEngine(config, model=tiny_llama)
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*.exe")} == saved  # loaded, not rebuilt

@@ -1,7 +1,7 @@
-"""The CPU kernel's KV pool is never zero-filled; from start-up the engine maps in, in the background, the blocks a
-full batch of max_model_len sequences can hold (every layer's K and V, lowest blocks first), so no step of such a
-batch faults a page in, and leaves the rest (prefix cache only) to be mapped in as written. Mapping in writes
-nothing."""
+"""The CPU kernel's KV pool is never zero-filled; warm-up maps in the blocks a full batch of max_model_len sequences
+can hold (every layer's K and V, lowest blocks first), so no step of such a batch faults a page in, and leaves the
+rest (prefix cache only) to be mapped in as written: a full warm-up before it returns, a progressive one in the
+background while the engine has nothing to step. Mapping in writes nothing."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from jpaged import LLM
+from jpaged.config import EngineConfig
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import huge_pages
+from jpaged.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or jax.default_backend() != "cpu",
@@ -96,23 +99,40 @@ def test_mapping_in_keeps_what_the_memory_holds():
     assert huge_pages.populate(pool.unsafe_buffer_pointer(), 10)
 
 
-def test_the_engine_maps_in_a_full_batch_worth_of_blocks_at_start_up(tiny_model_dir, monkeypatch):
+def test_a_full_warm_up_maps_in_a_full_batch_worth_of_blocks_before_it_returns(tiny_model_dir, monkeypatch):
     asked = []
     map_in = cpu_attention.map_in_first_blocks
     monkeypatch.setattr(
-        cpu_attention, "map_in_first_blocks", lambda pool, count: asked.append(count) or map_in(pool, count)
+        cpu_attention,
+        "map_in_first_blocks",
+        lambda pool, count, before_chunk: asked.append(count) or map_in(pool, count, before_chunk),
     )
-    llm = LLM(
-        str(tiny_model_dir("llama")),
-        max_model_len=64,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        num_blocks=4096,
-    )
+    llm = LLM(str(tiny_model_dir("llama")), **SMALL)
     runner = llm.engine.runner
-    assert runner.kv_pool_mapped.wait(timeout=600)  # in the background: a bound, not a race
+    assert runner.kv_pool_mapper.done.is_set()
     assert asked == [1 + 4 * runner.max_blocks_per_seq]  # the null block and 4 sequences of 64 tokens
+    assert_mapped_in(runner, asked[0])
+
+
+SMALL = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=4096)
+
+
+def assert_mapped_in(runner, num_blocks: int) -> None:
     skip_unless_the_kernel_maps_in(runner.kv_cache.k)
     for pool in runner.kv_cache:
-        for start, length in block_ranges(pool, 0, asked[0]):
+        for start, length in block_ranges(pool, 0, num_blocks):
             assert resident(start, length).all()
+
+
+def test_a_progressive_warm_up_maps_in_only_while_the_engine_has_nothing_to_step(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), warmup="progressive", **SMALL))
+    mapper = engine.runner.kv_pool_mapper
+    assert mapper.paused and not mapper.done.is_set()  # nothing said idle yet: not one chunk mapped
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+        assert mapper.paused
+    engine.warm_up_while_idle()  # what a server loop does with nothing to step
+    assert not mapper.paused
+    assert mapper.done.wait(timeout=600)  # in the background: a bound, not a race
+    assert_mapped_in(engine.runner, 1 + 4 * engine.runner.max_blocks_per_seq)

@@ -48,8 +48,18 @@ class Scheduler:
         self.running: list[SequenceState] = []  # kept sorted by priority_key
         self.swapped: deque[SequenceState] = deque()
         self.num_preemptions = 0
+        # A step's limits: the config's, or lower while warm-up still compiles the bigger steps' programs.
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
         self._arrivals = 0
         self._warned_preemption = False
+
+    def limit_steps(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        """Build steps of at most these many tokens and sequence rows (what the compiled programs allow while a
+        progressive warm-up goes on): prompts are chunked smaller, and requests that need more sequences at once
+        than that wait."""
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
 
     @property
     def num_unfinished(self) -> int:
@@ -84,7 +94,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         running, allocate_slots = self.running, self.blocks.allocate_slots
         scheduled_seqs, scheduled_counts = out.seqs, out.num_new_tokens
         num_drafts = 0  # proposed tokens scheduled: each is a sampled row, as a sequence's next token is
@@ -120,7 +130,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         if not out.preempted and (self.swapped or self.waiting):
-            slots = self.config.max_num_seqs - sum(s.fan_out for s in running) - num_drafts
+            slots = self.max_num_seqs - sum(s.fan_out for s in running) - num_drafts
             budget, slots = self._schedule_swapped(out, budget, slots)
             self._schedule_waiting(out, budget, slots)
         out.copies = self.blocks.take_pending_copies()

@@ -169,6 +169,7 @@ class AsyncLLMEngine:
         """Stop the loop thread once the in-flight requests finish or `timeout` passes, then abort the rest."""
         self._stopping = True
         self._wake.set()
+        self.engine.warmup.stop()
         self._thread.join(timeout)
         with self._lock:
             for request_id in list(self._streams):

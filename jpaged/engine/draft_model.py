@@ -50,8 +50,8 @@ class DraftModel:
         self._greedy: dict = {}  # plain greedy sampling tensors, by row count
         self._target, self._blocks = target, blocks  # the target's runner, and the blocks both pools mirror
 
-    def warmup(self, progress: bool = False) -> float:
-        return self.runner.warmup(progress)
+    def warmup(self, progressive: bool = False) -> float:
+        return self.runner.warmup(progress=False, progressive=progressive)
 
     def catch_up(self, step: PreparedStep, last_tokens) -> None:
         """Run the target's step on the draft, writing its KV: dispatched after the target's forward, before its

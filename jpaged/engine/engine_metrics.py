@@ -42,8 +42,15 @@ class TokenCounts:
     generation_tokens: int = 0  # sampled tokens, less those of sequences that ended while their step ran
 
 
+@dataclass(frozen=True, slots=True)
+class ProgramCounts:
+    num_compilations: int  # step programs compiled or loaded, warm-up's included
+    num_live_compilations: int  # of those, the ones a step waited for (live requests paid them)
+    warmup_programs_remaining: int  # still compiling in a progressive warm-up's background
+
+
 def engine_metrics(
-    blocks: BlockManager, scheduler: Scheduler, tokens: TokenCounts, num_compilations: int
+    blocks: BlockManager, scheduler: Scheduler, tokens: TokenCounts, programs: ProgramCounts
 ) -> dict[str, float]:
     """vLLM's metric names (jpaged_server.metrics exports them under a `jpaged:` prefix)."""
     return {
@@ -57,5 +64,7 @@ def engine_metrics(
         "prefix_cache_hits": blocks.prefix_cache_hits,
         "prompt_tokens": tokens.prompt_tokens,
         "generation_tokens": tokens.generation_tokens,
-        "num_compilations": num_compilations,
+        "num_compilations": programs.num_compilations,
+        "num_live_compilations": programs.num_live_compilations,
+        "warmup_programs_remaining": programs.warmup_programs_remaining,
     }

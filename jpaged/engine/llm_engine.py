@@ -33,6 +33,7 @@ from jpaged.engine.scheduled_step import InFlightStep, SampledRows, ScheduledSte
 from jpaged.engine.speculation import SpecDecodeStats, Speculation
 from jpaged.engine.startup import for_this_platform, size_kv_cache
 from jpaged.engine.step_sampling import StepSampling, describe_sampling, sample_seed_for
+from jpaged.engine.warmup_progress import WarmupProgress
 from jpaged.lora_request import LoRARequest
 from jpaged.models.llama import abstract_params, as_params, params_dtype
 from jpaged.models.loader import LoadedModel, load_model
@@ -123,7 +124,13 @@ class LLMEngine:
         self._prefix_hint = PrefixHint(config.block_size) if config.enable_prefix_caching else None
         self.warmup_seconds = 0.0
         if not config.enforce_eager:
-            self.warmup_seconds = self.runner.warmup() + (self.draft.warmup() if self.draft else 0.0)
+            progressive = config.warmup == "progressive"
+            self.warmup_seconds = self.runner.warmup(progressive=progressive)
+            if self.draft is not None:
+                self.warmup_seconds += self.draft.warmup(progressive)
+        self.warmup = WarmupProgress(
+            [self.runner, *([self.draft.runner] if self.draft else [])], self.scheduler
+        )
 
     def _start_runner(self, size: KVCacheSize, *, from_memory: bool) -> ModelRunner:
         """The runner for this engine's steps, of the kind `_runner_class` says."""
@@ -242,6 +249,8 @@ class LLMEngine:
         """For a loop with no request to step: run one step shape that has not run yet (see
         ModelRunner.warmup), so no later request pays its first run; False once every shape has run (or while
         asleep)."""
+        self.warmup.engine_idle(True)
+        self.warmup.follow()
         return not self.runner.asleep and self.runner.run_unrun_shape()
 
     # ---- LoRA adapters (vLLM's names) ----
@@ -304,6 +313,8 @@ class LLMEngine:
         for n > 1, beam searches, sampling inputs that read the tokens) is processed in the call that starts it,
         as every step is without async scheduling."""
         self._admit_constrained()
+        self.warmup.engine_idle(False)
+        self.warmup.follow()
         outputs, self._held = self._held, []
         if self._in_flight is not None and self._speculates():
             outputs += self._complete(self._take_in_flight())  # proposals follow a sequence's latest token
@@ -312,6 +323,8 @@ class LLMEngine:
         if self._in_flight is not None:
             outputs += self._complete(self._take_in_flight())
         if launched is None:
+            if not outputs and self.warmup.remaining:
+                self.warmup.wait()  # nothing fits the steps compiled so far: wait for more rather than spin
             return outputs
         if self.config.async_scheduling and self.requests and not launched.needs_results:
             self._in_flight = launched
@@ -493,7 +506,7 @@ class LLMEngine:
     def metrics(self) -> dict[str, float]:
         """Queue sizes, KV usage, token and prefix-cache counters, compilations (see engine_metrics), and with
         speculative_config, vLLM's spec_decode counters."""
-        values = engine_metrics(self.blocks, self.scheduler, self.counters, self.runner.num_compilations)
+        values = engine_metrics(self.blocks, self.scheduler, self.counters, self.warmup.counts())
         if self.speculation is not None:
             values.update(self.speculation.stats.counters())
         return values

@@ -31,6 +31,8 @@ _HELP = {
     '"num_speculative_tokens": k, ...}; each decode step verifies k proposed tokens in one forward',
     "attention_impl": "auto, pallas (the device's kernel: on a GPU Mosaic GPU on Hopper and Blackwell where it fits, else "
     "Triton), mosaic_gpu, triton, cpu or reference (XLA)",
+    "warmup": "full: compile every step program before serving; progressive (serve's default): serve once the "
+    "smallest steps' programs are compiled, compile the rest in the background, steps capped to what is compiled",
     "enable_expert_parallel": "split a mixture of experts' experts whole over the --tensor-parallel-size devices "
     "(E / tp each; tokens move to them) instead of each expert's MLP",
 }
@@ -162,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", default=None, help="model (default: the embedded SmolLM2)")
     add_server_args(serve)
     add_engine_args(serve)
+    # A server turns ready once the smallest steps are compiled (EngineConfig.warmup); --warmup full waits for all.
+    serve.set_defaults(warmup="progressive")
     add_distributed_arg(serve)
     serve.set_defaults(run=_serve)
 

@@ -80,7 +80,9 @@ class LeaderRunner:
     def write_lora(self, slot: int, weights: dict) -> None:
         self._both("write_lora", slot, weights)
 
-    def warmup(self, progress: bool = True) -> float:
+    def warmup(self, progress: bool = True, progressive: bool = False) -> float:
+        """Whole, in every process (`progressive` is not staged here: each process would take the stages at steps
+        of its own, and they must run the same programs)."""
         self._followers.send((self._id, "warmup", (False,)))
         return self._runner.warmup(progress)
 

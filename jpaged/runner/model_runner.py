@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -30,6 +29,7 @@ from jpaged.pallas.common import FP8_PAGES
 from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import huge_pages
 from jpaged.rounding import cdiv
+from jpaged.runner.background_warmup import BackgroundWarmup
 from jpaged.runner.device_step import (
     StepFunctions,
     bind_prompt_logprobs,
@@ -38,6 +38,7 @@ from jpaged.runner.device_step import (
     scatter_blocks,
 )
 from jpaged.runner.expert_parallel import expert_parallel_products
+from jpaged.runner.kv_pool_mapper import KVPoolMapper
 from jpaged.runner.kv_transfer import HostSwapSpace
 from jpaged.runner.lora_stacks import lora_layout, lora_stacks
 from jpaged.runner.packed_inputs import pack
@@ -51,7 +52,7 @@ from jpaged.runner.sampling_inputs import (
 )
 from jpaged.runner.step_batch import PreparedStep, StepSchedule, dummy_batch, pad_batch
 from jpaged.runner.step_output import PendingOutput
-from jpaged.runner.step_programs import ProgramInputs, StepPrograms
+from jpaged.runner.step_programs import ProgramInputs, ProgramSet, StepPrograms
 from jpaged.runner.step_shapes import StepShapes
 from jpaged.runner.tensor_parallel import (
     kv_head_copies,
@@ -61,6 +62,7 @@ from jpaged.runner.tensor_parallel import (
     tensor_parallel_config,
     tensor_parallel_mesh,
 )
+from jpaged.runner.warmup_stages import WarmupStage, warmup_stages
 from jpaged.runner.weight_layout import choose_products, tensor_parallel_products
 from jpaged.runner.weight_placement import WeightPlacement
 
@@ -181,6 +183,7 @@ class ModelRunner:
             jax.jit(step.forward, static_argnames=("layout",), donate_argnums=(1,)),
             jax.jit(step.sample, static_argnames=("layout",), donate_argnums=(1,)),
             jax.jit(bind_prompt_logprobs(self.graphdef, products)),
+            jax.jit(copy_blocks, donate_argnums=0),
             inputs,
             config.compilation_cache_dir,
             # The products decide the program too (expert parallelism's form, for one), not only its inputs.
@@ -199,8 +202,11 @@ class ModelRunner:
         # The dispatched forward's (logits, prompt logprobs), until `sample` takes them.
         self._forwarded = None
         self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=0)
-        self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
-        self._copy_programs: dict = {}  # rows -> compiled copy_blocks
+        # Steps of at most (tokens, sequence rows) have every program they need; warm-up may lower it for a while.
+        self.step_limits = (config.max_num_batched_tokens, config.max_num_seqs)
+        self.background_warmup: BackgroundWarmup | None = (
+            None  # the stages still compiling (progressive warm-up)
+        )
 
     # What the step programs compute beyond the model (the pooling runner's forward pools): part of their key
     # in the executable cache, so programs of different kinds over one model never stand in for each other.
@@ -292,53 +298,110 @@ class ModelRunner:
             variants.append(build_sampling_tensors([], num_seqs, self.sampling_widths))
         return variants
 
-    def warmup(self, progress: bool = True) -> float:
-        """Compile the forward of every (T, S) bucket pair that can occur, the sampling of every S (each variant
-        and history width) and the prompt-logprobs program of every T, one compile per core at a time (XLA
-        compiles outside the GIL), then run each decode-sized shape (T <= max_num_seqs) once on its dummy batch (every token writes
-        to the null block 0, no sequence is live); returns the seconds taken.
+    def warmup(self, progress: bool = True, progressive: bool = False) -> float:
+        """Compile every program a step can need (warmup_stages.py: the forward of every (T, S) bucket pair, the
+        sampling of every S in each variant and history width, the prompt logprobs of every T, the block copies),
+        one compile per core at a time (XLA compiles outside the GIL), then run each decode-sized shape (T <=
+        max_num_seqs) once on its dummy batch (every token writes to the null block 0, no sequence is live);
+        returns the seconds taken. `progressive`: only the first stage now, the rest on a thread of its own
+        (background_warmup.py), the step limits rising as they land (`take_landed_stages`).
 
         An executable's first run sets things up (XLA CPU builds each matmul's YNNPACK runtime then; see
         scripts/KERNELS.md). Decode shapes run here because a stream's every token waits on them; the larger
         prefill shapes, which would lengthen a start, wait for `run_unrun_shape` (a server runs them while idle)
         or pay it on first use."""
         start = time.perf_counter()
-        sampling = {s: self._dummy_sampling(s) for s in sorted({s for _, s in self.shapes.all_shapes()})}
-        steps = [
-            PreparedStep(dummy_batch(t, s, self.max_blocks_per_seq, lora=self.lora is not None))
-            for t, s in self.shapes.all_shapes()
+        stages = [
+            (stage, self._stage_programs(stage)) for stage in warmup_stages(self.shapes, self.copy_sizes)
         ]
-        layouts = [pack(step.batch)[1] for step in steps]
-        self.programs.compile_all(
-            layouts,
-            [
-                (layout, width)
-                for variants in sampling.values()
-                for layout in (self._sampling_inputs(tensors)[1] for tensors in variants)
-                for width in self.sampling_widths.history_widths
-            ],
-            self.shapes.token_sizes,
-            progress,
-        )
-        for step, layout in zip(steps, layouts, strict=True):
-            self._not_run[layout] = (step, sampling[step.num_rows][0])
-        for rows in self.copy_sizes:
-            self._copy_program(rows)
+        now, later = (stages[:1], stages[1:]) if progressive else (stages, [])
+        programs = ProgramSet.joined([programs for _, programs in now])
+        self.programs.add(self.programs.compile_set(programs, progress=progress))
+        self.step_limits = (now[-1][0].max_num_batched_tokens, now[-1][0].max_num_seqs)
+        self._add_unrun(shape for stage, _ in now for shape in stage.shapes)
+        if self.kv_pool_mapper is not None and not progressive:
+            self.kv_pool_mapper.map_now()
         compiled_in = time.perf_counter() - start
-        limit = self.config.max_num_seqs
-        decode_sized = [(p, t) for p, t in self._not_run.values() if p.batch.token_ids.shape[0] <= limit]
+        decode_sized = [
+            (p, t)
+            for p, t in self._not_run.values()
+            if p.batch.token_ids.shape[0] <= self.config.max_num_seqs
+        ]
         for step, tensors in tqdm(decode_sized, desc="warm-up (first runs)", disable=not progress):
             self.dispatch(step, tensors).result()
         self.programs.warmed_up = True
+        if later:
+            self.background_warmup = BackgroundWarmup(later, self.programs.compile_set)
+        if self.kv_pool_mapper is not None and progressive:
+            self.kv_pool_mapper.map_while_idle()
         seconds = time.perf_counter() - start
         logger.info(
-            "warm-up: %d step programs compiled (or loaded) in %.1f s, %d decode shapes run once in %.1f s",
+            "warm-up: %d step programs compiled (or loaded) in %.1f s, %d decode shapes run once in %.1f s; %s",
             self.num_compilations,
             compiled_in,
             len(decode_sized),
             seconds - compiled_in,
+            f"steps of up to {self.step_limits[0]} tokens and {self.step_limits[1]} sequences until the "
+            f"{self.warmup_programs_remaining} programs left compile in the background"
+            if later
+            else "every step shape ready",
         )
         return seconds
+
+    def _stage_programs(self, stage: WarmupStage) -> ProgramSet:
+        """A warm-up stage's programs, by the layouts of its dummy batches and sampling tensors."""
+        forwards = tuple(pack(self._dummy_step(t, s).batch)[1] for t, s in stage.shapes)
+        samplings = tuple(
+            (self._sampling_inputs(tensors)[1], width)
+            for rows in stage.sampling_rows
+            for tensors in self._dummy_sampling(rows)
+            for width in self.sampling_widths.history_widths
+        )
+        return ProgramSet(forwards, samplings, stage.prompt_tokens, stage.copy_rows)
+
+    def _dummy_step(self, num_tokens: int, num_seqs: int) -> PreparedStep:
+        return PreparedStep(
+            dummy_batch(num_tokens, num_seqs, self.max_blocks_per_seq, lora=self.lora is not None)
+        )
+
+    def _add_unrun(self, shapes) -> None:
+        """The (T, S) forwards just compiled join the shapes to run once (see warmup), smallest first."""
+        for num_tokens, num_seqs in shapes:
+            step = self._dummy_step(num_tokens, num_seqs)
+            self._not_run[pack(step.batch)[1]] = (step, self._dummy_sampling(num_seqs)[0])
+
+    def take_landed_stages(self) -> bool:
+        """Add the programs the background warm-up compiled since the last call and raise `step_limits` to
+        what they allow; True when they rose. Called from the engine's thread, between steps."""
+        if self.background_warmup is None:
+            return False
+        landed = self.background_warmup.take()
+        for stage in landed:
+            self.programs.add(stage.compiled)
+            self._add_unrun(stage.stage.shapes)
+            self.step_limits = (stage.stage.max_num_batched_tokens, stage.stage.max_num_seqs)
+            logger.info(
+                "warm-up: steps of up to %d tokens and %d sequences ready (%d programs in %.1f s in the background); "
+                "%d programs left",
+                *self.step_limits,
+                len(stage.compiled),
+                stage.seconds,
+                self.warmup_programs_remaining,
+            )
+        if not self.warmup_programs_remaining:
+            self.background_warmup = None
+        return bool(landed)
+
+    def engine_idle(self, idle: bool) -> None:
+        """Whether the engine has no request to step: the KV pool's background mapping runs only while it has
+        none (kv_pool_mapper.py)."""
+        if self.kv_pool_mapper is not None:
+            self.kv_pool_mapper.engine_idle(idle)
+
+    @property
+    def warmup_programs_remaining(self) -> int:
+        """Programs the background warm-up has not handed over yet (0 once every step shape is ready)."""
+        return 0 if self.background_warmup is None else self.background_warmup.remaining
 
     @property
     def num_unrun_shapes(self) -> int:
@@ -367,36 +430,14 @@ class ModelRunner:
         kv_cache = _in_huge_pages(
             init_kv_cache(mc, self.num_blocks, self.block_size, self.kv_dtype, allocate), "KV pool"
         )
-        # Set once the mapping below is over (at once where there is none).
-        self.kv_pool_mapped = threading.Event()
+        # The C++ kernel's pool is mapped in ahead of its first writes by warm-up (kv_pool_mapper.py): as much as a
+        # full batch of max_model_len sequences can hold, lowest blocks first (those the first requests write). The
+        # rest, prefix cache only, maps in as written.
+        self.kv_pool_mapper = None
         if allocate is cpu_attention.uninitialized:
-            # As much as a full batch of max_model_len sequences can hold is mapped in, lowest blocks first (those
-            # the first requests write), so that no batch's writes fault a page in (cpu/attention.py); in the
-            # background, beside warm-up and the first requests, not before them. The rest, prefix cache only, maps
-            # in as written.
             blocks = 1 + self.config.max_num_seqs * self.max_blocks_per_seq
-            # The spans are read here: a step may donate the pool's arrays before the mapper runs.
-            spans = cpu_attention.pool_spans(kv_cache)
-            threading.Thread(
-                target=self._map_in,
-                args=(spans, blocks, self.kv_pool_mapped),
-                name="kv-pool-map",
-                daemon=True,
-            ).start()
-        else:
-            self.kv_pool_mapped.set()
+            self.kv_pool_mapper = KVPoolMapper(cpu_attention.pool_spans(kv_cache), blocks)
         return kv_cache
-
-    @staticmethod
-    def _map_in(spans: list, blocks: int, done: threading.Event) -> None:
-        """Map in the pool's first `blocks` (madvise, outside the GIL) and say so."""
-        start = time.perf_counter()
-        try:
-            mapped = cpu_attention.map_in_first_blocks(spans, blocks)
-            seconds = time.perf_counter() - start
-            logger.info("KV pool: %.0f MiB mapped in, in %.1f s (in the background)", mapped / 2**20, seconds)
-        finally:
-            done.set()
 
     def update_weights(self, params: dict) -> None:
         """Run on these weights from the next step (the loaders' layout; the engine checks that they match the
@@ -431,6 +472,8 @@ class ModelRunner:
         self.params = _in_huge_pages(self.weights.to_device(self._host_params), "weights")
         self._host_params = None
         self.kv_cache = self._allocate_kv_cache()
+        if self.kv_pool_mapper is not None:  # a waking engine's requests come at once: map when it idles
+            self.kv_pool_mapper.map_while_idle()
 
     def write_lora(self, slot: int, weights: dict) -> None:
         """Adapter slot `slot` set to these weights (lora_stacks.LoRAStacks.write), before the step that reads it."""
@@ -439,28 +482,20 @@ class ModelRunner:
     # ---- KV blocks outside a step ----
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write copies (src, dst), before the step that writes into them: at most max_num_seqs at a
-        time, padded to a power of two (each size compiled at warm-up; most steps have none)."""
-        largest = self.copy_sizes[-1]
-        for start in range(0, len(copies), largest):
-            chunk = copies[start : start + largest]
-            rows = next(rows for rows in self.copy_sizes if rows >= len(chunk))
+        """Copy-on-write copies (src, dst), before the step that writes into them: up to the step limits' sequence
+        count at a time, padded to a copy size (each compiled at warm-up; most steps have none)."""
+        sizes = [rows for rows in self.copy_sizes if rows <= self.step_limits[1]]
+        for start in range(0, len(copies), sizes[-1]):
+            chunk = copies[start : start + sizes[-1]]
+            rows = next(rows for rows in sizes if rows >= len(chunk))
             padded = np.zeros((rows, 2), np.int32)  # (0, 0): the null block onto itself
             padded[: len(chunk)] = chunk
-            self.kv_cache = self._copy_program(rows)(self.kv_cache, padded)
+            self.kv_cache = self.programs.copy(rows)(self.kv_cache, padded)
 
     @property
     def copy_sizes(self) -> list[int]:
         """Row counts of the copy programs (powers of two, then max_num_seqs), each compiled at warm-up."""
         return [2**i for i in range((self.config.max_num_seqs - 1).bit_length())] + [self.config.max_num_seqs]
-
-    def _copy_program(self, rows: int):
-        program = self._copy_programs.get(rows)
-        if program is None:
-            copies = np.zeros((rows, 2), np.int32)
-            program = self.programs.compile(self._copy_blocks, (self.kv_cache, copies), "copy_blocks")
-            self._copy_programs[rows] = program
-        return program
 
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         """Blocks to host memory (swap_out: (block, slot)) and back (swap_in: (slot, block))."""

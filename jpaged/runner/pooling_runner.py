@@ -16,6 +16,7 @@ from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.packed_inputs import pack
 from jpaged.runner.pooling import bind_pooling_forward
 from jpaged.runner.step_batch import PreparedStep, dummy_batch
+from jpaged.runner.step_programs import ProgramSet
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +42,16 @@ class PoolingRunner(ModelRunner):
         self.kv_cache, pooled = compiled(self.params, self.kv_cache, self.last_tokens, packed)
         return pooled
 
-    def warmup(self, progress: bool = True) -> float:
+    def warmup(self, progress: bool = True, progressive: bool = False) -> float:
         """Compile the pooling forward of every (T, S) bucket pair, then run the decode-sized ones once (see
-        ModelRunner.warmup); returns the seconds taken."""
+        ModelRunner.warmup); returns the seconds taken. Always whole: an embedding engine's steps are few and
+        short, and `progressive` is not staged here."""
         start = time.perf_counter()
         steps = [
             PreparedStep(dummy_batch(t, s, self.max_blocks_per_seq)) for t, s in self.shapes.all_shapes()
         ]
         layouts = [pack(step.batch)[1] for step in steps]
-        self.programs.compile_all(layouts, (), (), progress)
+        self.programs.add(self.programs.compile_set(ProgramSet(tuple(layouts)), progress=progress))
         self._not_run.update(zip(layouts, steps, strict=True))
         limit = self.config.max_num_seqs
         small = [step for step in steps if step.batch.token_ids.shape[0] <= limit]

@@ -1,14 +1,15 @@
-"""The step's compiled programs, one per input layout: each loaded from the executable cache or compiled when first
-needed, and counted, because a compile after warm-up is a wait paid by a live request (the num_compilations metric).
+"""The step's compiled programs, one per input layout: each loaded from the executable cache or compiled, at warm-up
+(in sets, possibly in the background: warmup_stages.py) or when a step first needs it, which is counted apart
+because that compile is a wait paid by live requests (the num_live_compilations metric).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import jax
@@ -47,6 +48,37 @@ class ProgramInputs:
         )
 
 
+@dataclass(frozen=True)
+class ProgramSet:
+    """Programs compiled together: forwards by batch layout, samplings by (layout, history width), prompt logprobs
+    by token count, copy-on-write copies by row count."""
+
+    forwards: tuple[PackedLayout, ...] = ()
+    samplings: tuple[tuple[PackedLayout, int], ...] = ()
+    prompts: tuple[int, ...] = ()
+    copies: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.forwards) + len(self.samplings) + len(self.prompts) + len(self.copies)
+
+    @classmethod
+    def joined(cls, sets: list[ProgramSet]) -> ProgramSet:
+        return cls(*(sum((getattr(s, f.name) for s in sets), ()) for f in fields(cls)))
+
+
+@dataclass
+class CompiledSet:
+    """A ProgramSet's executables, by the same keys."""
+
+    forwards: dict = field(default_factory=dict)
+    samplings: dict = field(default_factory=dict)
+    prompts: dict = field(default_factory=dict)
+    copies: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.forwards) + len(self.samplings) + len(self.prompts) + len(self.copies)
+
+
 def abstract(tree):
     """The tree's arrays as ShapeDtypeStructs with their shardings."""
     return jax.tree_util.tree_map(
@@ -55,26 +87,31 @@ def abstract(tree):
 
 
 class StepPrograms:
-    """The forward of each batch layout, the sampling of each (sampling layout, history width) and the prompt
-    logprobs of each token count; `fingerprint` is what all of them depend on beyond their inputs."""
+    """The forward of each batch layout, the sampling of each (sampling layout, history width), the prompt
+    logprobs of each token count and the block copies of each row count; `fingerprint` is what all of them depend
+    on beyond their inputs. The tables are read and written by the engine's thread only."""
 
     def __init__(
         self,
         forward: Callable,
         sample: Callable,
         prompt_logprobs: Callable,
+        copy_blocks: Callable,
         inputs: ProgramInputs,
         cache_dir: str | None,
         fingerprint: tuple,
     ) -> None:
         self._forward, self._sample, self._prompt_logprobs = forward, sample, prompt_logprobs
+        self._copy_blocks = copy_blocks
         self.inputs = inputs
         self._saved = step_cache(cache_dir)
         self._fingerprint = fingerprint
         self.forwards: dict = {}  # the batch's PackedLayout -> compiled forward
         self.samplings: dict = {}  # (sampling tensors' PackedLayout, history width) -> compiled sampling
         self.prompts: dict = {}  # tokens T -> compiled prompt logprobs
-        self.num_compilations = 0
+        self.copies: dict = {}  # rows -> compiled copy_blocks
+        self.num_compilations = 0  # every program compiled or loaded, warm-up's included
+        self.num_live_compilations = 0  # of those, the ones a step had to wait for
         self.warmed_up = False
 
     def forward(self, layout: PackedLayout):
@@ -101,14 +138,21 @@ class StepPrograms:
             lambda: self.compile_prompt(num_tokens),
         )
 
+    def copy(self, rows: int):
+        return self._get(
+            self.copies, rows, lambda: f"block copies of {rows} rows", lambda: self.compile_copy(rows)
+        )
+
     def _get(self, table: dict, key, describe: Callable[[], str], compile_fn: Callable):
-        """`table[key]`, compiled (and counted) on a miss: a miss after warm-up is logged, naming `describe()`."""
+        """`table[key]`, compiled (and counted as live) on a miss: a miss after warm-up is logged, naming
+        `describe()`."""
         program = table.get(key)
         if program is None:
             if self.warmed_up:
                 logger.warning("compiling %s after warm-up", describe())
             program = table[key] = compile_fn()
             self.num_compilations += 1
+            self.num_live_compilations += 1
         return program
 
     def compile_forward(self, layout: PackedLayout):
@@ -136,6 +180,11 @@ class StepPrograms:
         args = (self.inputs.params, hidden, np.zeros(num_tokens, np.int32), np.zeros(1, np.int32))
         return self.compile(self._prompt_logprobs, args, "prompt_logprobs")
 
+    def compile_copy(self, rows: int):
+        """Copy-on-write block copies, `rows` (src, dst) pairs at a time (it donates the KV pool)."""
+        args = (self.inputs.kv_cache, np.zeros((rows, 2), np.int32))
+        return self.compile(self._copy_blocks, args, "copy_blocks")
+
     def compile(self, jitted, args: tuple, name: str, layout: PackedLayout | None = None):
         """`jitted` lowered for `args` (and its static `layout`), from the executable cache when it holds it."""
         static = {} if layout is None else {"layout": layout}
@@ -143,30 +192,45 @@ class StepPrograms:
         key = (name, *arguments_key(args), *layout_key, *self._fingerprint)
         return self._saved.get_or_compile(key, lambda: jitted.lower(*args, **static).compile())
 
-    def compile_all(
-        self,
-        forward_layouts: Iterable[PackedLayout],
-        sampling_keys: Iterable[tuple[PackedLayout, int]],
-        token_sizes: Iterable[int],
-        progress: bool,
-    ) -> None:
-        """Compile (or load) every program named, one per core at a time (XLA compiles outside the GIL)."""
-        forward_layouts = list(forward_layouts)
+    def compile_set(
+        self, programs: ProgramSet, workers: int | None = None, progress: bool = False
+    ) -> CompiledSet:
+        """Compile (or load) every program of `programs`, `workers` at a time (default one per core: XLA compiles
+        outside the GIL), without adding them to the tables: a background warm-up compiles while steps read them."""
         with (
-            ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
+            ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool,
             tqdm(
-                total=len(forward_layouts), desc="warm-up (compiling step shapes)", disable=not progress
+                total=len(programs.forwards), desc="warm-up (compiling step shapes)", disable=not progress
             ) as bar,
         ):
+            compiled = CompiledSet()
             futures = [
-                *((self.forwards, key, pool.submit(self.compile_forward, key)) for key in forward_layouts),
-                *((self.samplings, key, pool.submit(self.compile_sample, *key)) for key in sampling_keys),
-                *((self.prompts, key, pool.submit(self.compile_prompt, key)) for key in token_sizes),
+                *(
+                    (compiled.forwards, key, pool.submit(self.compile_forward, key))
+                    for key in programs.forwards
+                ),
+                *(
+                    (compiled.samplings, key, pool.submit(self.compile_sample, *key))
+                    for key in programs.samplings
+                ),
+                *((compiled.prompts, key, pool.submit(self.compile_prompt, key)) for key in programs.prompts),
+                *((compiled.copies, key, pool.submit(self.compile_copy, key)) for key in programs.copies),
             ]
             for table, key, future in futures:
                 table[key] = future.result()
-                self.num_compilations += 1
-                bar.update(table is self.forwards)
+                bar.update(table is compiled.forwards)
+        return compiled
+
+    def add(self, compiled: CompiledSet) -> None:
+        """Programs `compile_set` compiled, from now on what steps of their layouts run."""
+        for table, programs in (
+            (self.forwards, compiled.forwards),
+            (self.samplings, compiled.samplings),
+            (self.prompts, compiled.prompts),
+            (self.copies, compiled.copies),
+        ):
+            table.update(programs)
+        self.num_compilations += len(compiled)
 
     def step_texts(self, num_tokens: int | None = None) -> list[str]:
         """The optimised HLO of every forward compiled so far, or of those of `num_tokens` tokens."""

@@ -11,6 +11,7 @@ the XLA reference.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,16 +61,18 @@ def pool_spans(kv_cache) -> list[PoolSpan]:
     ]
 
 
-def map_in_first_blocks(spans: list[PoolSpan], count: int) -> int:
+def map_in_first_blocks(
+    spans: list[PoolSpan], count: int, before_chunk: Callable[[], object] | None = None
+) -> int:
     """Map in the memory of blocks [0, count) of every layer of a pool's `spans`, as writes would, without writing;
-    returns the bytes mapped in (0 where the OS cannot).
+    returns the bytes mapped in (0 where the OS cannot). `before_chunk` is called before each chunk (a pause).
 
     Each page of such a pool is otherwise mapped in when a step first writes it: a page fault inside the step's KV
     write, which the step's other threads wait on, and in a VM the host's first touch of that memory too
     (scripts/KERNELS.md: ~10% of a fresh engine's first batches). Blocks are handed out from the lowest free one
     (core/block_pool.py), so the first `count` are the ones a start-up's batches write, and they are mapped in
-    lowest first across every layer (MAP_CHUNK at a time): mapping beside a serving engine (ModelRunner does it in
-    the background), the blocks its first requests write are the first mapped in."""
+    lowest first across every layer (MAP_CHUNK at a time): mapped in beside an engine (runner/kv_pool_mapper.py),
+    the blocks its first requests write are the first mapped in."""
     done = 0
     for span in spans:
         block_bytes, end = span.layer_bytes // span.num_blocks, min(count, span.num_blocks)
@@ -77,6 +80,8 @@ def map_in_first_blocks(spans: list[PoolSpan], count: int) -> int:
         for first in range(0, end, chunk):
             length = block_bytes * (min(first + chunk, end) - first)
             for layer in range(span.layers):
+                if before_chunk is not None:
+                    before_chunk()
                 if not huge_pages.populate(
                     span.address + layer * span.layer_bytes + first * block_bytes, length
                 ):
