@@ -110,7 +110,7 @@ def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_kernel_multiplies_bfloat16
     monkeypatch, caplog, instructions, expected
 ):
     monkeypatch.delenv(CPU_AUTO_DTYPE_ENV)
-    monkeypatch.setattr(cpu_kernels, "bfloat16_arithmetic", lambda: instructions)
+    monkeypatch.setattr(cpu_kernels, "bfloat16_dot_products", lambda: instructions)
     with caplog.at_level(logging.INFO, logger="jpaged.runner.weight_layout"):
         _, dtype = startup.for_this_platform(EngineConfig(dtype="auto"))
     assert dtype == jnp.dtype(expected)
@@ -119,12 +119,12 @@ def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_kernel_multiplies_bfloat16
 
 
 def test_an_explicit_dtype_is_kept_whatever_the_cpu(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "bfloat16_arithmetic", lambda: "avx512_bf16")
+    monkeypatch.setattr(cpu_kernels, "bfloat16_dot_products", lambda: "avx512_bf16")
     assert startup.for_this_platform(EngineConfig(dtype="float32"))[1] == jnp.float32
 
 
 def test_the_environment_pins_what_auto_means_on_cpu(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "bfloat16_arithmetic", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "bfloat16_dot_products", lambda: None)
     monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "bfloat16")
     assert startup.for_this_platform(EngineConfig(dtype="auto"))[1] == jnp.bfloat16
     monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "float16")

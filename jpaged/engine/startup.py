@@ -21,6 +21,7 @@ from jpaged.core.kv_cache_sizing import (
 )
 from jpaged.models.llama import params_dtype
 from jpaged.models.loader import LoadedModel
+from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.runner.activation_peak import activation_peak_bytes
 from jpaged.runner.tensor_parallel import check_tensor_parallel_size, tensor_parallel_config
 from jpaged.runner.weight_layout import cpu_auto_dtype, held_weight_bytes
@@ -31,9 +32,11 @@ logger = logging.getLogger(__name__)
 def for_this_platform(config: EngineConfig) -> tuple[EngineConfig, np.dtype]:
     """The config with this platform's default sizes where it leaves them open, and the dtype `config.dtype`
     means here (auto: bfloat16 on accelerators, on CPU as `cpu_auto_dtype` decides). Sets up the accelerator's
-    allocator first: it must be configured before JAX initialises its backend."""
+    allocator first: it must be configured before JAX initialises its backend; on CPU, starts the kernels' build."""
     configure_accelerator_allocator(config.gpu_memory_utilization)
     platform = jax.default_backend()
+    if platform == "cpu":
+        cpu_kernels.build_in_background()  # while the weights load: their first use waits for them
     if config.dtype != "auto":
         dtype = jnp.dtype(config.dtype)
     elif platform == "cpu":

@@ -291,20 +291,22 @@ def held_weight_bytes(params: dict, activation: str, quantization: str | None) -
 def cpu_auto_dtype() -> np.dtype:
     """bfloat16 where the CPU matmul kernel multiplies bfloat16 with the CPU's own dot-product instructions,
     float32 where it would widen every weight to float32 first (slower at batch sizes past a few rows:
-    scripts/KERNELS.md). Decided by what the kernels were built with, not timed at start-up, so one command on
-    one machine always runs one dtype (and gives the same greedy output). `JPAGED_CPU_AUTO_DTYPE` pins it (a
-    fleet of mixed CPUs that must answer alike; the tests, which compare against float32 references, pin
-    float32). Logs which and why."""
+    scripts/KERNELS.md). Decided by the CPU's flags (what a `-march=native` build of the kernels multiplies
+    with), not timed at start-up and not waiting for the kernels' build, so one command on one machine always runs
+    one dtype (and gives the same greedy output). `JPAGED_CPU_AUTO_DTYPE` pins it (a fleet of mixed CPUs that must
+    answer alike; the tests, which compare against float32 references, pin float32). Logs which and why."""
     pinned = os.environ.get(CPU_AUTO_DTYPE_ENV)
     if pinned:
         if pinned not in ("float32", "bfloat16"):
             raise ValueError(f"{CPU_AUTO_DTYPE_ENV} must be float32 or bfloat16, got {pinned!r}")
         logger.info("dtype auto: %s, as %s says", pinned, CPU_AUTO_DTYPE_ENV)
         return np.dtype(jax.numpy.dtype(pinned))
-    instructions = cpu_kernels.bfloat16_arithmetic()
+    instructions = cpu_kernels.bfloat16_dot_products()
     if instructions:
         logger.info("dtype auto: bfloat16, the CPU multiplies bfloat16 itself (%s)", instructions)
         return np.dtype(jax.numpy.bfloat16)
-    reason = "has no bfloat16 dot-product instructions" if cpu_kernels.available() else "has no CPU kernels"
-    logger.info("dtype auto: float32, this CPU %s (--dtype bfloat16 halves the weights' bytes)", reason)
+    logger.info(
+        "dtype auto: float32, this CPU has no bfloat16 dot-product instructions (or no C++ compiler to build "
+        "its kernels; --dtype bfloat16 halves the weights' bytes)"
+    )
     return np.dtype(np.float32)

@@ -2,8 +2,9 @@
 registered with XLA as FFI targets.
 
 It is compiled with the machine's C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib ships, for this
-CPU (`-march=native`), into ~/.cache/jpaged/kernels (`JPAGED_KERNEL_CACHE` to move it). Where it cannot be built,
-`available()` is False (a warning says why) and callers fall back to XLA.
+CPU (`-march=native`), into ~/.cache/jpaged/kernels (`JPAGED_KERNEL_CACHE` to move it): each source on a core of its
+own, then linked. An engine starts the build first thing (`build_in_background`) and loads its weights meanwhile.
+Where it cannot be built, `available()` is False (a warning says why) and callers fall back to XLA.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -25,9 +29,10 @@ import jaxlib
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
+# Longest compile first (each source on a core of its own: the build takes about as long as the longest chain).
 SOURCES = tuple(
     _HERE / name
-    for name in ("paged_attention.cc", "matmul.cc", "grouped_matmul.cc", "int8_matmul.cc", "expert_matmul.cc")
+    for name in ("grouped_matmul.cc", "paged_attention.cc", "matmul.cc", "expert_matmul.cc", "int8_matmul.cc")
 )
 HEADERS = (_HERE / "kernel.h", _HERE / "panels.h")
 # FFI target name -> exported handler symbol
@@ -57,7 +62,7 @@ _FAST_MATH = (
     "-ffinite-math-only",
     "-fcx-limited-range",
 )
-_FLAGS = ("-O3", "-march=native", *_FAST_MATH, "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17")
+_FLAGS = ("-O3", "-march=native", *_FAST_MATH, "-ffp-contract=fast", "-fPIC", "-std=c++17")
 # glibc's vector math library (libmvec) on x86-64: attention's exps eight at a time (paged_attention.cc).
 _VECTOR_MATH = (
     ("-DJPAGED_LIBMVEC", "-lmvec")
@@ -105,24 +110,35 @@ def _build(compiler: str) -> Path:
 def compile_sources(
     sources, output: Path, compiler: str = "g++", march: str = "native", extra: tuple[str, ...] = ()
 ) -> None:
-    """Compiles C++ `sources` into the shared library `output` with the kernels' flags and headers (also what
-    scripts/ab_cpu_kernels.py builds its variants with, and the tests their builds for other CPU levels, `march`,
-    or with `extra` flags: the AMX model's define and include folder); raises RuntimeError with the compiler's
-    message."""
-    command = [
-        compiler,
+    """Compiles C++ `sources` into the shared library `output` with the kernels' flags and headers, each source on
+    a core of its own, then links them (also what scripts/ab_cpu_kernels.py builds its variants with, and the tests
+    their builds for other CPU levels, `march`, or with `extra` flags: the AMX model's define and include folder);
+    raises RuntimeError with the compiler's message."""
+    flags = [
         *(f"-march={march}" if flag == "-march=native" else flag for flag in _FLAGS),
         *extra,
         f"-I{jax.ffi.include_dir()}",
         f"-I{_HERE}",
-        *map(str, sources),
-        "-o",
-        str(output),
-        *_VECTOR_MATH,  # after the sources: the linker keeps only libraries that something before them needs
+        *_VECTOR_MATH[:1],  # its define
     ]
-    result = subprocess.run(command, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as objects, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        compiled = [str(Path(objects) / f"{i}.o") for i in range(len(sources))]
+        commands = [
+            [compiler, *flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, compiled, strict=True)
+        ]
+        for result in pool.map(_run, commands):
+            _check(result)
+        # The vector math library after the objects: the linker keeps only libraries that something before needs.
+        _check(_run([compiler, "-shared", *compiled, "-o", str(output), *_VECTOR_MATH[1:]]))
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def _check(result: subprocess.CompletedProcess) -> None:
     if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        raise RuntimeError(f"{' '.join(result.args)} failed:\n{result.stderr[-2000:]}")
 
 
 def register(library: Path, targets: dict[str, str]) -> ctypes.CDLL:
@@ -133,8 +149,21 @@ def register(library: Path, targets: dict[str, str]) -> ctypes.CDLL:
     return handle
 
 
-@functools.cache
+_LOADING = threading.Lock()  # one build at a time: the background one, or a caller that got there first
+
+
 def _loaded() -> ctypes.CDLL | None:
+    with _LOADING:
+        return _load()
+
+
+def build_in_background() -> None:
+    """Start building (or loading) the kernels on a thread of their own; the first use waits for it."""
+    threading.Thread(target=_loaded, name="jpaged-cpu-kernels", daemon=True).start()
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
     """The kernels' library, built and registered with XLA (compiling it the first time on this machine)."""
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
@@ -151,6 +180,18 @@ def _loaded() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the kernels are built and registered with XLA."""
     return _loaded() is not None
+
+
+def bfloat16_dot_products() -> str | None:
+    """The bfloat16 dot-product instructions the CPU lists that a `-march=native` build of the kernels multiplies
+    with (`amx_bf16`, `avx512_bf16`), or None (none listed, or no compiler to build the kernels): what
+    `bfloat16_arithmetic` will say once the kernels are built (AMX where Linux grants it), known without them."""
+    flags = cpu_flags()
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        return None
+    if {"amx_tile", "amx_bf16"} <= flags:
+        return "amx_bf16"
+    return "avx512_bf16" if "avx512_bf16" in flags else None
 
 
 def bfloat16_arithmetic() -> str | None:
