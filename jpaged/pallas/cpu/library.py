@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -100,10 +101,12 @@ def _build(compiler: str) -> Path:
     library = root / f"jpaged-cpu-kernels-{key.hexdigest()[:16]}.so"
     if not library.exists():
         logger.info("compiling the CPU kernels into %s (once per machine)", root)
+        start = time.perf_counter()
         root.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
         compile_sources(SOURCES, partial, compiler)
         partial.replace(library)  # atomic: a concurrent process sees the whole library or none
+        logger.info("CPU kernels compiled in %.1f s", time.perf_counter() - start)
     return library
 
 
