@@ -158,17 +158,8 @@ def jpaged_run(label: str, cache: Path, args, extra: list[str], model: str = "jp
         "JPAGED_KERNEL_CACHE": str(cache / "kernels"),
     }
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "jpaged.entrypoints.cli",
-        "--log-level",
-        "INFO",
-        "serve",
-        "--port",
-        str(port),
-    ]
-    command += ["--compilation-cache-dir", str(cache / "xla"), *extra]
+    cli = [sys.executable, "-m", "jpaged.entrypoints.cli", "--log-level", "INFO"]
+    command = [*cli, "serve", "--port", str(port), "--compilation-cache-dir", str(cache / "xla"), *extra]
     server = Server(command, env, port)
     try:
         result = {"run": label, "first token": first_token_from_start(server, model)}

@@ -53,6 +53,8 @@ class PoolingRunner(ModelRunner):
         layouts = [pack(step.batch)[1] for step in steps]
         self.programs.add(self.programs.compile_set(ProgramSet(tuple(layouts)), progress=progress))
         self._not_run.update(zip(layouts, steps, strict=True))
+        if self.kv_pool_mapper is not None:
+            self.kv_pool_mapper.map_now()
         limit = self.config.max_num_seqs
         small = [step for step in steps if step.batch.token_ids.shape[0] <= limit]
         for step in tqdm(small, desc="warm-up (first runs)", disable=not progress):
