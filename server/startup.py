@@ -65,7 +65,7 @@ class EngineLoader:
         self.app = app
         self._server.state = app.state.server  # before any request reaches it: a drain waits for its requests
         self._startup.app = app
-        remaining = app.state.server.engine.engine.warmup.remaining
+        remaining = app.state.server.engine.metrics()["warmup_programs_remaining"]
         logger.info(
             "ready: weights loaded and warm-up done%s; /ready answers 200",
             f" ({remaining} step programs still compiling in the background)" if remaining else "",

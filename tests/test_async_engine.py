@@ -129,7 +129,7 @@ def test_an_idle_loop_gives_every_warm_up_shape_its_first_run(tiny_model_dir):
         shapes = engine.runner.shapes
         row_counts = {s for _, s in shapes.all_shapes()}
         expected = len(shapes.all_shapes()) + len(row_counts) + len(shapes.token_sizes)
-        expected += len(engine.runner.copy_sizes)
+        expected += len(engine.runner.shapes.copy_sizes)
         assert engine.runner.sampling_widths.history_widths == (engine.config.max_model_len,)
         assert engine.metrics()["num_compilations"] == expected
     finally:

@@ -61,7 +61,7 @@ def test_warm_up_runs_touch_only_the_null_block_and_change_no_output(tiny_model_
     # token size's prompt-logprobs program, each copy size's block copies
     assert warm.runner.sampling_widths.history_widths == (warm.config.max_model_len,)
     expected = len(shapes) + len({s for _, s in shapes}) + len(warm.runner.shapes.token_sizes)
-    expected += len(warm.runner.copy_sizes)
+    expected += len(warm.runner.shapes.copy_sizes)
     assert warm.metrics()["num_compilations"] == expected
 
 

@@ -25,14 +25,10 @@ from jpaged.sampling_params import SamplingParams
 CONFIGS = [(512, 64), (64, 16), (100, 5), (8, 8), (4, 4), (2048, 256)]
 
 
-def copy_sizes(max_num_seqs: int) -> list[int]:
-    return [2**i for i in range((max_num_seqs - 1).bit_length())] + [max_num_seqs]
-
-
 @pytest.mark.parametrize(("tokens", "seqs"), CONFIGS)
 def test_the_stages_compile_every_program_once_smallest_steps_first(tokens, seqs):
     shapes = StepShapes(tokens, seqs)
-    stages = warmup_stages(shapes, copy_sizes(seqs))
+    stages = warmup_stages(shapes)
     assert stages[0].max_num_batched_tokens == min(READY_TOKENS, tokens)
     assert [s.max_num_batched_tokens for s in stages] == sorted({s.max_num_batched_tokens for s in stages})
     assert (stages[-1].max_num_batched_tokens, stages[-1].max_num_seqs) == (tokens, seqs)
@@ -41,7 +37,7 @@ def test_the_stages_compile_every_program_once_smallest_steps_first(tokens, seqs
     rows = [rows for stage in stages for rows in stage.sampling_rows]
     assert sorted(rows) == sorted({s for _, s in shapes.all_shapes()})
     assert sorted(t for stage in stages for t in stage.prompt_tokens) == sorted(shapes.token_sizes)
-    assert sorted(r for stage in stages for r in stage.copy_rows) == copy_sizes(seqs)
+    assert tuple(sorted(r for stage in stages for r in stage.copy_rows)) == shapes.copy_sizes
 
 
 @pytest.mark.parametrize(("tokens", "seqs"), CONFIGS[:5])
@@ -49,7 +45,7 @@ def test_every_step_within_a_stages_limits_pads_to_a_shape_compiled_by_then(toke
     shapes = StepShapes(tokens, seqs)
     compiled: set[tuple[int, int]] = set()
     rows_compiled: set[int] = set()
-    for stage in warmup_stages(shapes, copy_sizes(seqs)):
+    for stage in warmup_stages(shapes):
         compiled.update(stage.shapes)
         rows_compiled.update(stage.sampling_rows)
         for num_tokens in range(1, stage.max_num_batched_tokens + 1):

@@ -123,7 +123,7 @@ def test_copies_beyond_a_program_are_made_in_chunks_and_touch_no_other_block(tin
         max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_blocks=32, enforce_eager=True
     )
     runner = LLMEngine(config, model=tiny_llama).runner
-    assert runner.copy_sizes == [1, 2, 4]
+    assert runner.shapes.copy_sizes == (1, 2, 4)
     rng = np.random.default_rng(0)
     blocks = list(range(1, 32))
     shape = runner.kv_cache.k[:, 1:].shape

@@ -23,6 +23,7 @@ class WarmupProgress:
 
     def follow(self) -> None:
         """Take the stages that landed since the last call (from the engine's thread, between steps)."""
+        # A list, not a generator: every runner takes its stages, whichever rose first.
         if self.remaining and any([runner.take_landed_stages() for runner in self._runners]):
             self._limit_scheduler()
 

@@ -204,9 +204,8 @@ class ModelRunner:
         self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=0)
         # Steps of at most (tokens, sequence rows) have every program they need; warm-up may lower it for a while.
         self.step_limits = (config.max_num_batched_tokens, config.max_num_seqs)
-        self.background_warmup: BackgroundWarmup | None = (
-            None  # the stages still compiling (progressive warm-up)
-        )
+        # The stages still compiling (a progressive warm-up).
+        self.background_warmup: BackgroundWarmup | None = None
 
     # What the step programs compute beyond the model (the pooling runner's forward pools): part of their key
     # in the executable cache, so programs of different kinds over one model never stand in for each other.
@@ -312,9 +311,7 @@ class ModelRunner:
         prefill shapes, which would lengthen a start, wait for `run_unrun_shape` (a server runs them while idle)
         or pay it on first use."""
         start = time.perf_counter()
-        stages = [
-            (stage, self._stage_programs(stage)) for stage in warmup_stages(self.shapes, self.copy_sizes)
-        ]
+        stages = [(stage, self._stage_programs(stage)) for stage in warmup_stages(self.shapes)]
         now, later = (stages[:1], stages[1:]) if progressive else (stages, [])
         programs = ProgramSet.joined([programs for _, programs in now])
         self.programs.add(self.programs.compile_set(programs, progress=progress))
@@ -485,18 +482,15 @@ class ModelRunner:
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write copies (src, dst), before the step that writes into them: up to the step limits' sequence
         count at a time, padded to a copy size (each compiled at warm-up; most steps have none)."""
-        sizes = [rows for rows in self.copy_sizes if rows <= self.step_limits[1]]
+        if not copies:  # most steps
+            return
+        sizes = [rows for rows in self.shapes.copy_sizes if rows <= self.step_limits[1]]
         for start in range(0, len(copies), sizes[-1]):
             chunk = copies[start : start + sizes[-1]]
             rows = next(rows for rows in sizes if rows >= len(chunk))
             padded = np.zeros((rows, 2), np.int32)  # (0, 0): the null block onto itself
             padded[: len(chunk)] = chunk
             self.kv_cache = self.programs.copy(rows)(self.kv_cache, padded)
-
-    @property
-    def copy_sizes(self) -> list[int]:
-        """Row counts of the copy programs (powers of two, then max_num_seqs), each compiled at warm-up."""
-        return [2**i for i in range((self.config.max_num_seqs - 1).bit_length())] + [self.config.max_num_seqs]
 
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         """Blocks to host memory (swap_out: (block, slot)) and back (swap_in: (slot, block))."""

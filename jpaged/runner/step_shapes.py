@@ -56,6 +56,11 @@ class StepShapes:
     def min_seqs(self) -> int:
         return self.seq_sizes[0]
 
+    @property
+    def copy_sizes(self) -> tuple[int, ...]:
+        """Row counts of the copy-on-write programs (powers of two, then max_num_seqs), each compiled at warm-up."""
+        return (*(2**i for i in range((self.max_num_seqs - 1).bit_length())), self.max_num_seqs)
+
     def shape_for(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
         """The compiled (T, S) a step of `num_tokens` tokens and `num_rows` sequence rows pads up to (rows can
         outnumber tokens when a prompt's last chunk forks into parallel samples)."""

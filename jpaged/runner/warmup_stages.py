@@ -33,7 +33,7 @@ class WarmupStage:
         return len(self.shapes) + len(self.prompt_tokens) + len(self.copy_rows)
 
 
-def warmup_stages(shapes: StepShapes, copy_sizes: list[int]) -> list[WarmupStage]:
+def warmup_stages(shapes: StepShapes) -> list[WarmupStage]:
     """Every program warm-up compiles, once, in stages of growing token size; the last stage's limits are the
     configured ones."""
     first = min(READY_TOKENS, shapes.max_num_batched_tokens)
@@ -43,7 +43,7 @@ def warmup_stages(shapes: StepShapes, copy_sizes: list[int]) -> list[WarmupStage
         stage_shapes = tuple((t, s) for t, s in shapes.all_shapes() if below < t <= cap)
         seqs = min(shapes.max_num_seqs, cap)
         rows = sorted({s for _, s in stage_shapes} - rows_done)
-        copies = [r for r in copy_sizes if r <= seqs and r not in copies_done]
+        copies = [r for r in shapes.copy_sizes if r <= seqs and r not in copies_done]
         tokens = sorted({t for t, _ in stage_shapes})
         stages.append(WarmupStage(cap, seqs, stage_shapes, tuple(rows), tuple(tokens), tuple(copies)))
         rows_done.update(rows)

@@ -64,12 +64,10 @@ _FAST_MATH = (
     "-fcx-limited-range",
 )
 _FLAGS = ("-O3", "-march=native", *_FAST_MATH, "-ffp-contract=fast", "-fPIC", "-std=c++17")
-# glibc's vector math library (libmvec) on x86-64: attention's exps eight at a time (paged_attention.cc).
-_VECTOR_MATH = (
-    ("-DJPAGED_LIBMVEC", "-lmvec")
-    if platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc"
-    else ()
-)
+# glibc's vector math library (libmvec) on x86-64: attention's exps eight at a time (paged_attention.cc); its
+# define is a compiler flag, the library a linker one.
+_LIBMVEC = platform.machine() == "x86_64" and platform.libc_ver()[0] == "glibc"
+_VECTOR_MATH_DEFINE, _VECTOR_MATH_LIBRARY = (("-DJPAGED_LIBMVEC",), ("-lmvec",)) if _LIBMVEC else ((), ())
 
 
 def cpu_flags() -> set[str]:
@@ -92,7 +90,7 @@ def _build(compiler: str) -> Path:
     for part in (
         *(path.read_bytes() for path in SOURCES + HEADERS),
         compiler.encode(),
-        " ".join(_FLAGS + _VECTOR_MATH).encode(),
+        " ".join(_FLAGS + _VECTOR_MATH_DEFINE + _VECTOR_MATH_LIBRARY).encode(),
         jaxlib.__version__.encode(),
         _cpu_signature().encode(),
     ):
@@ -122,7 +120,7 @@ def compile_sources(
         *extra,
         f"-I{jax.ffi.include_dir()}",
         f"-I{_HERE}",
-        *_VECTOR_MATH[:1],  # its define
+        *_VECTOR_MATH_DEFINE,
     ]
     with tempfile.TemporaryDirectory() as objects, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         compiled = [str(Path(objects) / f"{i}.o") for i in range(len(sources))]
@@ -132,7 +130,7 @@ def compile_sources(
         for result in pool.map(_run, commands):
             _check(result)
         # The vector math library after the objects: the linker keeps only libraries that something before needs.
-        _check(_run([compiler, "-shared", *compiled, "-o", str(output), *_VECTOR_MATH[1:]]))
+        _check(_run([compiler, "-shared", *compiled, "-o", str(output), *_VECTOR_MATH_LIBRARY]))
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
@@ -152,6 +150,10 @@ def register(library: Path, targets: dict[str, str]) -> ctypes.CDLL:
     return handle
 
 
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
 _LOADING = threading.Lock()  # one build at a time: the background one, or a caller that got there first
 
 
@@ -168,7 +170,7 @@ def build_in_background() -> None:
 @functools.cache
 def _load() -> ctypes.CDLL | None:
     """The kernels' library, built and registered with XLA (compiling it the first time on this machine)."""
-    compiler = os.environ.get("CXX", "g++")
+    compiler = _compiler()
     if shutil.which(compiler) is None:
         logger.warning("no C++ compiler (%s) to build the CPU kernels", compiler)
         return None
@@ -189,9 +191,9 @@ def bfloat16_dot_products() -> str | None:
     """The bfloat16 dot-product instructions the CPU lists that a `-march=native` build of the kernels multiplies
     with (`amx_bf16`, `avx512_bf16`), or None (none listed, or no compiler to build the kernels): what
     `bfloat16_arithmetic` will say once the kernels are built (AMX where Linux grants it), known without them."""
-    flags = cpu_flags()
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
+    if shutil.which(_compiler()) is None:
         return None
+    flags = cpu_flags()
     if {"amx_tile", "amx_bf16"} <= flags:
         return "amx_bf16"
     return "avx512_bf16" if "avx512_bf16" in flags else None
