@@ -42,6 +42,10 @@ class GGUFTensors(Mapping[str, np.ndarray]):
     def __init__(self, tensors) -> None:
         self._tensors = {tensor.name: tensor for tensor in tensors}
 
+    def stored(self, name: str):
+        """Tensor `name` as the file stores it (gguf's ReaderTensor: its block type, shape and memory-mapped data)."""
+        return self._tensors[name]
+
     def __getitem__(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
 

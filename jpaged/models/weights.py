@@ -95,25 +95,24 @@ def safetensors_slicer(model_dir: Path) -> Callable[[str], Any]:
     return get
 
 
-def gguf_reader(path: Path, config: ModelConfig, *, keep_blocks: bool = False) -> GetTensor:
+def gguf_reader(fields: dict, config: ModelConfig, *, keep_blocks: bool = False) -> GetTensor:
     """Dequantised GGUF tensors under transformers' names, as llama.cpp's converter wrote them undone: its Q/K row
     permutation (llama) and its norm weights stored as (norm_offset + w) (Gemma). gguf's own tensor-name map for the
     file's architecture names each transformers tensor, so a family's checkpoint names (Gemma's
     `pre_feedforward_layernorm`, Phi-3's fused `qkv_proj`) find their GGUF tensors without a table here.
-    `keep_blocks`: matrices of a block type the kernels read come as GroupedMatrix (gguf_blocks.py)."""
-    from gguf import GGUFReader
+    `keep_blocks`: matrices of a block type the kernels read come as GroupedMatrix (gguf_blocks.py). Reads the
+    tensors of the `fields` read_gguf_fields gave (the file is parsed once: its metadata takes seconds)."""
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    names = _gguf_name_map(reader.fields["general.architecture"].contents(), config.num_layers)
+    tensors = fields["_tensors"]
+    names = _gguf_name_map(fields["general.architecture"], config.num_layers)
     permutes_qk = family_of(config.architecture).gguf_permutes_qk
 
     def get(name: str) -> np.ndarray:
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name not in tensors:
-            raise ValueError(f"weight {name!r} ({gguf_name or 'no GGUF name'}) missing from {path}")
-        tensor = tensors[gguf_name]
+            raise ValueError(f"weight {name!r} ({gguf_name or 'no GGUF name'}) missing from the GGUF file")
+        tensor = tensors.stored(gguf_name)
         array = grouped_tensor(tensor) if keep_blocks else None
         if array is None:
             shape = tuple(int(d) for d in reversed(tensor.shape))
