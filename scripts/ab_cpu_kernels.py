@@ -164,7 +164,7 @@ def main() -> None:
         "--march", default="native", help="the CPU level both are built for (x86-64-v3: the AVX2 paths)"
     )
     args = parser.parse_args()
-    if not cpu_library.available():
+    if not cpu_library.compiles():
         raise SystemExit("the C++ CPU kernels cannot be built here")
 
     with tempfile.TemporaryDirectory() as workdir:

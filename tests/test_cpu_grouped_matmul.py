@@ -136,13 +136,16 @@ SYMBOLS = {"": "JpagedGroupedMatmul", "_gated": "JpagedGroupedMatmulGated"}
 
 # The builds whose paths differ here (AVX2's float32 buffer, AVX-512-BF16's pairs in registers and from a buffer, the
 # tiles on their model): each is a compile of its own, so not every build of test_cpu_matmul.
+# Two formats a build, whose paths differ (4-bit codes two a byte with float16 scales, 8-bit ones with float32
+# scales), each form a compile of its own.
 @pytest.mark.parametrize("name", ["x86-64-v3", "avx512-bf16", "amx-model"])
 def test_each_build_matches_float64_numpy(name, tmp_path_factory):
-    target, _ = runnable_build(name, tmp_path_factory, "grouped_matmul.cc", SYMBOLS)
     rng = np.random.default_rng(11)
     for (m, k, n, rows), fmt, dtype in itertools.product(
-        [(5, 128, 40, 3), (40, 640, 33, 37)], FORMATS, ["float32", "bfloat16"]
+        [(5, 128, 40, 3), (40, 640, 33, 37)], [FORMATS[0], FORMATS[2]], ["float32", "bfloat16"]
     ):
+        form = grouped_matmul.kernel(*fmt[:3], dtype, jnp.float32)
+        target, _ = runnable_build(name, tmp_path_factory, "grouped_matmul.cc", SYMBOLS, form.defines)
         matrix = random_grouped(rng, 2, k, n, fmt)
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
         panels = grouped_matmul.pack(matrix.codes, matrix.scale, matrix.bias, bits=fmt[0])
@@ -155,3 +158,18 @@ def test_each_build_matches_float64_numpy(name, tmp_path_factory):
         alone = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((1, n), jnp.float32))
         one = np.asarray(alone(x[:1], *panels, jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32)))
         np.testing.assert_array_equal(one[0], got[0])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_host_weights_are_laid_out_by_numpy_as_the_jitted_layout_lays_them_out(fmt, gated):
+    """A start-up lays out every weight: host arrays take numpy (no program compiled for each weight's shape),
+    device arrays and traces the jitted form, to the same bits."""
+    matrix = random_grouped(np.random.default_rng(4), 2, 256, 64, fmt)
+    on_host = grouped_matmul.pack(matrix.codes, matrix.scale, matrix.bias, bits=fmt[0], gated=gated)
+    arrays = (jnp.asarray(matrix.codes), jnp.asarray(matrix.scale), jnp.asarray(matrix.bias))
+    jitted = grouped_matmul.pack(*arrays, bits=fmt[0], gated=gated)
+    for host, device in zip(on_host, jitted, strict=True):
+        assert isinstance(host, np.ndarray) and isinstance(device, jax.Array)
+        assert host.dtype == device.dtype
+        np.testing.assert_array_equal(host, np.asarray(device))

@@ -93,23 +93,29 @@ MATMUL_SYMBOLS = {"": "JpagedMatmul", "_gated": "JpagedMatmulGated"}
 
 
 @functools.cache
-def _build(name: str, tmp: str, source: str, symbols: tuple) -> tuple[str, ctypes.CDLL]:
-    """The kernel in `source` built as BUILDS[name] says, its `symbols` ((target suffix, handler)...) registered with
-    XLA under targets of their own."""
+def _build(name: str, tmp: str, source: str, symbols: tuple, defines: tuple) -> tuple[str, ctypes.CDLL]:
+    """The kernel in `source` built as BUILDS[name] says (with `defines`: a form of the grouped kernel), its
+    `symbols` ((target suffix, handler)...) registered with XLA under targets of their own."""
     march, extra, _ = BUILDS[name]
-    stem = Path(source).stem
-    built = Path(tmp) / f"{stem}-{name}.so"
-    library.compile_sources([Path(cpu_matmul.__file__).with_name(source)], built, march=march, extra=extra)
-    target = f"jpaged_{stem}_{name.replace('-', '_')}"
+    form = "_".join(d.split("=")[-1] for d in defines)
+    stem = f"{Path(source).stem}-{name}-{form}".replace(" ", "")
+    built = Path(tmp) / f"{stem}.so"
+    source_path = Path(cpu_matmul.__file__).with_name(source)
+    library.compile_sources([source_path], built, march=march, extra=(*extra, *defines))
+    target = "jpaged_" + "".join(c if c.isalnum() else "_" for c in stem)
     return target, library.register(built, {target + suffix: symbol for suffix, symbol in symbols})
 
 
 def runnable_build(
-    name: str, tmp_path_factory, source: str = "matmul.cc", symbols: dict[str, str] = MATMUL_SYMBOLS
+    name: str,
+    tmp_path_factory,
+    source: str = "matmul.cc",
+    symbols: dict[str, str] = MATMUL_SYMBOLS,
+    defines: tuple[str, ...] = (),
 ) -> tuple[str, ctypes.CDLL]:
     if platform.machine() != "x86_64" or not BUILDS[name][2] <= library.cpu_flags():
         pytest.skip(f"this CPU does not run the {name} build")
-    return _build(name, str(tmp_path_factory.getbasetemp()), source, tuple(symbols.items()))
+    return _build(name, str(tmp_path_factory.getbasetemp()), source, tuple(symbols.items()), defines)
 
 
 def _call(target: str, x: jax.Array, panels: jax.Array, n: int, rows: int, dtype=jnp.float32) -> np.ndarray:
@@ -149,8 +155,9 @@ def test_the_amx_tiles_take_bfloat16_products_whatever_the_rows(tmp_path_factory
     """On the model of the tiles: the tile path runs (its dot products counted), says so to dtype="auto", and
     gives a row the same bits in a batch of 64 rows as in one of 1, 11 or 17."""
     target, handle = runnable_build("amx-model", tmp_path_factory)
-    handle.JpagedBfloat16Arithmetic.restype = ctypes.c_char_p
-    assert handle.JpagedBfloat16Arithmetic() == b"amx_bf16"
+    _, arithmetic = runnable_build("amx-model", tmp_path_factory, "arithmetic.cc", {})
+    arithmetic.JpagedBfloat16Arithmetic.restype = ctypes.c_char_p
+    assert arithmetic.JpagedBfloat16Arithmetic() == b"amx_bf16"
     handle.JpagedAmxModelDots.restype = ctypes.c_int64
     rng = np.random.default_rng(5)
     panels = cpu_matmul.pack(jnp.asarray(rng.standard_normal((2, 128, 40)), jnp.bfloat16))
@@ -274,7 +281,8 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
     import sys
 
     check = (
-        "from jpaged.pallas.cpu import library; library.require(); "
+        "from jpaged.pallas.cpu import library, matmul; library.require(library.ARITHMETIC); "
+        "library.require(matmul.KERNEL); "
         "tiny = 2.2250738585072014e-308; assert tiny / 2 != 0.0, 'subnormals flushed to zero'"
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)

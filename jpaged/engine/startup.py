@@ -21,6 +21,7 @@ from jpaged.core.kv_cache_sizing import (
 )
 from jpaged.models.llama import params_dtype
 from jpaged.models.loader import LoadedModel
+from jpaged.pallas.cpu import attention as cpu_attention
 from jpaged.pallas.cpu import library as cpu_kernels
 from jpaged.runner.activation_peak import activation_peak_bytes
 from jpaged.runner.tensor_parallel import check_tensor_parallel_size, tensor_parallel_config
@@ -36,7 +37,8 @@ def for_this_platform(config: EngineConfig) -> tuple[EngineConfig, np.dtype]:
     configure_accelerator_allocator(config.gpu_memory_utilization)
     platform = jax.default_backend()
     if platform == "cpu":
-        cpu_kernels.build_in_background()  # while the weights load: their first use waits for them
+        # while the weights load (the products' kernels once they are chosen): their first use waits for them
+        cpu_kernels.build_in_background(cpu_kernels.ARITHMETIC, cpu_attention.KERNEL)
     if config.dtype != "auto":
         dtype = jnp.dtype(config.dtype)
     elif platform == "cpu":

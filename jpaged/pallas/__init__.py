@@ -70,7 +70,7 @@ def resolve_attention_impl(impl: str, *, head_dim: int, dtype, backend: str | No
         return "pallas"
     try:
         cpu_attention.check_layout(head_dim, dtype)
-        if not cpu_library.available():
+        if not cpu_library.compiles():
             raise ValueError("the CPU attention kernel could not be built (see the warning above)")
     except ValueError as err:
         if impl == "cpu":

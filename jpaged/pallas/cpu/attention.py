@@ -29,13 +29,16 @@ from jpaged.pallas.cpu import huge_pages, library
 
 _TARGET = "jpaged_paged_attention"
 _UNINITIALIZED_TARGET = "jpaged_uninitialized"
+KERNEL = library.Kernel(
+    "paged_attention.cc", {_TARGET: "JpagedPagedAttention", _UNINITIALIZED_TARGET: "JpagedUninitialized"}
+)
 
 
 def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
     """An array of `shape` that nothing has written: a KV pool for this kernel, which never reads a slot no sequence
     owns. Zero-filling the default 4 GiB pool is seconds of a CPU start-up (README); untouched, its pages are
     mapped in as blocks are first written."""
-    library.require()
+    library.require(KERNEL)
     return jax.jit(jax.ffi.ffi_call(_UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(shape, dtype)))()
 
 
@@ -140,7 +143,7 @@ def ragged_paged_attention_stacked(
         sinks=sinks,
     )
     check_layout(q.shape[-1], q.dtype)
-    library.require()
+    library.require(KERNEL)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q,

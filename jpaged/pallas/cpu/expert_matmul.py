@@ -17,6 +17,9 @@ from jpaged.rounding import cdiv
 
 _TARGET = "jpaged_expert_matmul"
 _GATED_TARGET = "jpaged_expert_matmul_gated"
+KERNEL = library.Kernel(
+    "expert_matmul.cc", {_TARGET: "JpagedExpertMatmul", _GATED_TARGET: "JpagedExpertMatmulGated"}
+)
 
 
 def matmul(
@@ -37,7 +40,7 @@ def gated_matmul(
 
 
 def _call(target: str, x, panels, group_sizes, n: int, num_panels: int, layer) -> jax.Array:
-    library.require()
+    library.require(KERNEL)
     if x.ndim != 2 or panels.ndim != 5 or panels.shape[3] != x.shape[1] or panels.shape[2] != num_panels:
         raise ValueError(f"x {x.shape} and expert panels {panels.shape} do not make an [M, {n}] product")
     if group_sizes.shape != (panels.shape[1],):

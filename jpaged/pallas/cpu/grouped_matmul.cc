@@ -8,6 +8,9 @@
 // row blocks or tiles then multiply (panels.h): the weights stream from memory at their quantized size, and every
 // row's sums are those of x @ dequantise(w) in x's type, whatever the number of rows (the XLA reference the tests
 // hold it to).
+//
+// Built once per form, the code bits and the codes', scales', x's and the output's types defined on the command line
+// (library.py, grouped_matmul.py): a form is a few of the instantiations, so a model's build waits only for its own.
 #include <vector>
 
 #include "panels.h"
@@ -112,7 +115,7 @@ struct Grouped {
   const S* scale;
   const S* bias;
   int K, group;
-  bool packed;  // two 4-bit codes a byte
+  static constexpr bool packed = JPAGED_GROUPED_BITS == 4;  // two 4-bit codes a byte (the form's)
 
   // Whether bfloat16 panels are dequantised paired (panels.h's kTakesPairedPanels): every group an even number of
   // rows.
@@ -127,8 +130,7 @@ struct Grouped {
       const int g = k / group, end = std::min(k0 + count, (g + 1) * group);
       const S *group_scale = scale + (p * groups + g) * kPanel, *group_bias = bias + (p * groups + g) * kPanel;
       uint16_t* at = out + (k - k0) * kPanel;
-      if (packed) DequantisePairs<true>(panel_codes, group_scale, group_bias, k, end - k, at);
-      else DequantisePairs<false>(panel_codes, group_scale, group_bias, k, end - k, at);
+      DequantisePairs<packed>(panel_codes, group_scale, group_bias, k, end - k, at);
       k = end;
     }
   }
@@ -155,11 +157,8 @@ struct Grouped {
           }
         }
 #endif
-        if (packed)
-          DequantiseGroup<true>(panel_codes, panel_scale + g * kPanel, panel_bias + g * kPanel, g * group, group, out);
-        else
-          DequantiseGroup<false>(panel_codes, panel_scale + g * kPanel, panel_bias + g * kPanel, g * group, group,
-                                 out);
+        DequantiseGroup<packed>(panel_codes, panel_scale + g * kPanel, panel_bias + g * kPanel, g * group, group,
+                                out);
       }
     }
     return buffer.data();
@@ -211,13 +210,9 @@ void RunFused(ffi::ThreadPool& pool, const uint16_t* x, const Grouped<Code, S>& 
     const int width = kGated ? kPanel : std::min(kPanel, N - (first + count - 1) * kPanel);
     ForRowBlocks<kWideRowBlock>(rows, 0, [&](auto mr, int) {
       constexpr int MR = decltype(mr)::value;
-      auto block = [&](auto packed) {
-        constexpr bool kPacked = decltype(packed)::value;
-        if (count == 2) return FusedBlock<MR, 2, kGated, kPacked>(x, w, first, at, N, width);
-        if constexpr (!kGated) FusedBlock<MR, 1, false, kPacked>(x, w, first, at, N, width);
-      };
-      if (w.packed) return block(std::true_type{});
-      block(std::false_type{});
+      constexpr bool kPacked = Grouped<Code, S>::packed;
+      if (count == 2) return FusedBlock<MR, 2, kGated, kPacked>(x, w, first, at, N, width);
+      if constexpr (!kGated) FusedBlock<MR, 1, false, kPacked>(x, w, first, at, N, width);
     });
     return true;
   });
@@ -276,41 +271,24 @@ void Run(ffi::ThreadPool& pool, const T* x, const Grouped<Code, S>& w, Out* out,
   RunItems<kGated>(pool, x, out, M, rows, w.K, N, item_panels, no_ahead);
 }
 
-// x's type, then the output's.
-template <bool kGated, typename Code, typename S>
-ffi::Error RunTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, const Grouped<Code, S>& w, ffi::AnyBuffer::Dimensions od,
-                    ffi::Result<ffi::AnyBuffer>& out, int M, int rows) {
-  const int N = static_cast<int>(od[1]);
-  const auto dtype = x.element_type(), out_dtype = out->element_type();
-  if (out_dtype != dtype && out_dtype != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("the output must be x's dtype or float32");
-  if (dtype == ffi::DataType::F32) {
-    Run<kGated>(pool, static_cast<const float*>(x.untyped_data()), w, static_cast<float*>(out->untyped_data()), M,
-                rows, N);
-  } else if (dtype == ffi::DataType::BF16) {
-    auto* xp = static_cast<const uint16_t*>(x.untyped_data());
-    if (out_dtype == ffi::DataType::F32)
-      Run<kGated>(pool, xp, w, static_cast<float*>(out->untyped_data()), M, rows, N);
-    else
-      Run<kGated>(pool, xp, w, static_cast<uint16_t*>(out->untyped_data()), M, rows, N);
-  } else {
-    return ffi::Error::InvalidArgument("x must be float32 or bfloat16");
-  }
-  return ffi::Error::Success();
-}
+// The form this library is built for.
+using FormCode = JPAGED_GROUPED_CODE;
+using FormScale = JPAGED_GROUPED_SCALE;
+using FormX = JPAGED_GROUPED_X;  // float, or uint16_t for bfloat16
+using FormOut = JPAGED_GROUPED_OUT;
 
-template <bool kGated, typename Code, typename S>
-ffi::Error WithScales(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer codes, ffi::AnyBuffer scale,
-                      ffi::AnyBuffer bias, int64_t layer_offset, int64_t group_offset, int K, int group, bool packed,
-                      ffi::Result<ffi::AnyBuffer>& out, int M, int rows) {
-  const Grouped<Code, S> w{static_cast<const Code*>(codes.untyped_data()) + layer_offset,
-                           static_cast<const S*>(scale.untyped_data()) + group_offset,
-                           static_cast<const S*>(bias.untyped_data()) + group_offset,
-                           K,
-                           group,
-                           packed};
-  return RunTyped<kGated>(pool, x, w, out->dimensions(), out, M, rows);
-}
+template <typename T>
+constexpr ffi::DataType kDataType = ffi::DataType::INVALID;
+template <>
+constexpr ffi::DataType kDataType<uint8_t> = ffi::DataType::U8;
+template <>
+constexpr ffi::DataType kDataType<int8_t> = ffi::DataType::S8;
+template <>
+constexpr ffi::DataType kDataType<_Float16> = ffi::DataType::F16;
+template <>
+constexpr ffi::DataType kDataType<float> = ffi::DataType::F32;
+template <>
+constexpr ffi::DataType kDataType<uint16_t> = ffi::DataType::BF16;
 
 template <typename Dims>
 bool SameShape(const Dims& a, const Dims& b) {
@@ -325,8 +303,8 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   if (xd.size() != 2 || cd.size() != 4 || sd.size() != 4 || od.size() != 2 || cd[3] != kPanel || sd[3] != kPanel)
     return ffi::Error::InvalidArgument("expected x [M, K], codes [L, P, K', 16], scale [L, P, K / G, 16], out [M, N]");
   const int M = static_cast<int>(xd[0]), K = static_cast<int>(xd[1]), N = static_cast<int>(od[1]);
-  const bool packed = cd[2] * 2 == K && codes.element_type() == ffi::DataType::U8;
-  if (od[0] != M || (cd[2] != K && !packed) || cd[1] != NumPanels<kGated>(N) || sd[0] != cd[0] || sd[1] != cd[1] ||
+  const bool packed = Grouped<FormCode, FormScale>::packed;
+  if (od[0] != M || cd[2] != (packed ? K / 2 : K) || cd[1] != NumPanels<kGated>(N) || sd[0] != cd[0] || sd[1] != cd[1] ||
       sd[2] == 0 || K % sd[2] != 0 || !SameShape(bias.dimensions(), sd))
     return ffi::Error::InvalidArgument("x, codes, scale, bias and out do not agree on M, K, N and the groups");
   const int group = K / static_cast<int>(sd[2]);
@@ -338,18 +316,17 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   if (layer_index < 0 || layer_index >= cd[0]) return ffi::Error::InvalidArgument("layer out of range");
   const int live = std::clamp(rows.typed_data()[0], 0, M);
   const int64_t layer_offset = layer_index * cd[1] * cd[2] * kPanel, group_offset = layer_index * sd[1] * sd[2] * kPanel;
-  const auto code_type = codes.element_type(), scale_type = scale.element_type();
-  auto with = [&](auto code, auto scale_value) {
-    using Code = decltype(code);
-    using S = decltype(scale_value);
-    return WithScales<kGated, Code, S>(pool, x, codes, scale, bias, layer_offset, group_offset, K, group, packed, out,
-                                       M, live);
-  };
-  const bool half = scale_type == ffi::DataType::F16;
-  if (!half && scale_type != ffi::DataType::F32) return ffi::Error::InvalidArgument("scales must be float16 or float32");
-  if (code_type == ffi::DataType::U8) return half ? with(uint8_t{}, _Float16{}) : with(uint8_t{}, float{});
-  if (code_type == ffi::DataType::S8) return half ? with(int8_t{}, _Float16{}) : with(int8_t{}, float{});
-  return ffi::Error::InvalidArgument("codes must be uint8 or int8");
+  if (codes.element_type() != kDataType<FormCode> || scale.element_type() != kDataType<FormScale> ||
+      x.element_type() != kDataType<FormX> || out->element_type() != kDataType<FormOut>)
+    return ffi::Error::InvalidArgument("codes, scale, x or out is not of the types this form of the kernel is built for");
+  const Grouped<FormCode, FormScale> w{static_cast<const FormCode*>(codes.untyped_data()) + layer_offset,
+                                       static_cast<const FormScale*>(scale.untyped_data()) + group_offset,
+                                       static_cast<const FormScale*>(bias.untyped_data()) + group_offset,
+                                       K,
+                                       group};
+  Run<kGated>(pool, static_cast<const FormX*>(x.untyped_data()), w, static_cast<FormOut*>(out->untyped_data()), M,
+              live, N);
+  return ffi::Error::Success();
 }
 
 }  // namespace

@@ -6,6 +6,8 @@ it is, Q4_0 with bias -8 scale, Q8_0 with bias 0). `pack` lays it out as the den
 (matmul.py), 4-bit codes two a byte (rows 2i and 2i + 1 of a column, low nibble first), so a step reads half a byte
 a weight. The kernel dequantises each work item's panels into a buffer in x's dtype and multiplies them as the dense
 kernel does: `matmul(x, ...)` equals x @ dequantised w in x's dtype (summed in float32) for any number of rows.
+The kernel is built once per form (`kernel`: the codes', scales', x's and output's dtypes), each form's FFI targets
+named after it, so that a model waits for the build of its own forms only.
 """
 
 from __future__ import annotations
@@ -14,20 +16,56 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jpaged.pallas.cpu import library
-from jpaged.pallas.cpu.matmul import PANEL, ffi_product, pack_gated
+from jpaged.pallas.cpu.matmul import PANEL, ffi_product, on_host_or_jitted, pack_gated
 from jpaged.pallas.cpu.matmul import pack as pack_panels
 from jpaged.rounding import cdiv
 
-_TARGET = "jpaged_grouped_matmul"
-_GATED_TARGET = "jpaged_grouped_matmul_gated"
 CODE_BITS = (4, 8)
+# The C type grouped_matmul.cc's form takes for each dtype (bfloat16 as its 16 bits).
+_C_TYPES = {
+    "uint8": "uint8_t",
+    "int8": "int8_t",
+    "float16": "_Float16",
+    "float32": "float",
+    "bfloat16": "uint16_t",
+}
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "gated"))
+@functools.cache
+def kernel(bits: int, codes_dtype, scale_dtype, x_dtype, out_dtype=None) -> library.Kernel:
+    """The form of the kernel that multiplies x of `x_dtype` by `pack`ed codes of `bits` and scales of these dtypes
+    into `out_dtype` (x's, or float32): its targets end in the bits and the four dtypes' names."""
+    names = tuple(jnp.dtype(d).name for d in (codes_dtype, scale_dtype, x_dtype, out_dtype or x_dtype))
+    if (
+        bits not in CODE_BITS
+        or (bits == 4 and names[0] != "uint8")
+        or any(name not in _C_TYPES for name in names)
+        or names[3] not in (names[2], "float32")
+    ):
+        raise ValueError(f"the grouped kernel has no form for {bits}-bit codes, scale, x, out of {names}")
+    suffix = "_".join((f"q{bits}", *names))
+    return library.Kernel(
+        "grouped_matmul.cc",
+        {
+            f"jpaged_grouped_matmul_{suffix}": "JpagedGroupedMatmul",
+            f"jpaged_grouped_matmul_gated_{suffix}": "JpagedGroupedMatmulGated",
+        },
+        (
+            f"-DJPAGED_GROUPED_BITS={bits}",
+            *(
+                f"-DJPAGED_GROUPED_{part}={_C_TYPES[name]}"
+                for part, name in zip(("CODE", "SCALE", "X", "OUT"), names, strict=True)
+            ),
+        ),
+    )
+
+
+@on_host_or_jitted("bits", "gated")
 def pack(
-    codes: jax.Array, scale: jax.Array, bias: jax.Array, *, bits: int, gated: bool = False
+    xp, codes: jax.Array, scale: jax.Array, bias: jax.Array, *, bits: int, gated: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """codes [..., K, N], scale and bias [..., K / G, N] -> their panels, codes [..., P, K / 2 or K, 16] and scale
     and bias [..., P, K / G, 16]; `gated` for a gate|up matrix in the gated form's panel order (`pack_gated`)."""
@@ -37,7 +75,7 @@ def pack(
     code_panels = panels(codes)
     if bits == 4:
         low, high = code_panels[..., 0::2, :], code_panels[..., 1::2, :]
-        code_panels = (low.astype(jnp.uint8) & 15) | (high.astype(jnp.uint8) << 4)
+        code_panels = (low.astype(np.uint8) & 15) | (high.astype(np.uint8) << 4)
     return code_panels, panels(scale), panels(bias)
 
 
@@ -71,7 +109,8 @@ def matmul(
     """x [M, K] @ w [K, n] from w's `pack`ed panels (of one matrix, or a stack of them with `layer` picking one),
     summed in float32 and returned as `out_dtype` (x's, or float32); rows past `rows` come back zero."""
     panels = _checked(x, panels, cdiv(n, PANEL))
-    return ffi_product(_TARGET, x, panels, n, layer=layer, rows=rows, out_dtype=out_dtype)
+    target = _target(x, panels, out_dtype, gated=False)
+    return ffi_product(target, x, panels, n, layer=layer, rows=rows, out_dtype=out_dtype)
 
 
 def gated_matmul(
@@ -86,12 +125,21 @@ def gated_matmul(
     kernel's gated form computes it."""
     if n % PANEL:
         raise ValueError(f"the gated form needs n a multiple of {PANEL}, got {n}")
-    return ffi_product(_GATED_TARGET, x, _checked(x, panels, 2 * n // PANEL), n, layer=layer, rows=rows)
+    panels = _checked(x, panels, 2 * n // PANEL)
+    return ffi_product(_target(x, panels, None, gated=True), x, panels, n, layer=layer, rows=rows)
+
+
+def _target(x: jax.Array, panels: tuple[jax.Array, ...], out_dtype, *, gated: bool) -> str:
+    """The FFI target of the form for these operands, built (or loaded) first."""
+    bits = 8 if panels[0].shape[2] == x.shape[1] else 4  # 4-bit codes two a byte: K / 2 rows
+    form = kernel(bits, panels[0].dtype, panels[1].dtype, x.dtype, out_dtype)
+    library.require(form)
+    plain, gated_target = form.targets
+    return gated_target if gated else plain
 
 
 def _checked(x: jax.Array, panels, num_panels: int) -> tuple[jax.Array, ...]:
     """The panels as stacks [L, P, ., 16], once they and x agree (else ValueError)."""
-    library.require()
     panels = tuple(p[None] if p.ndim == 3 else p for p in panels)
     codes, scale, bias = panels
     k = x.shape[-1] if x.ndim == 2 else -1

@@ -24,6 +24,9 @@ from jpaged.rounding import cdiv
 
 _TARGET = "jpaged_int8_matmul"
 _GATED_TARGET = "jpaged_int8_matmul_gated"
+KERNEL = library.Kernel(
+    "int8_matmul.cc", {_TARGET: "JpagedInt8Matmul", _GATED_TARGET: "JpagedInt8MatmulGated"}
+)
 TILE_K = 64  # k a tile step: the kernel's K is a multiple of it
 GROUP = 4  # k side by side in a panel's column
 
@@ -79,7 +82,7 @@ def gated_matmul(
 
 
 def _checked(x: jax.Array, panels, num_panels: int) -> tuple[jax.Array, jax.Array]:
-    library.require()
+    library.require(KERNEL)
     values, scale = (p[None] if p.ndim == nd else p for p, nd in zip(panels, (4, 3), strict=True))
     if jnp.dtype(x.dtype) not in library.SUPPORTED_DTYPES or values.dtype != jnp.int8:
         raise ValueError(

@@ -1,16 +1,19 @@
-"""The C++ CPU kernels (paged_attention.cc, matmul.cc, grouped_matmul.cc, int8_matmul.cc, expert_matmul.cc) as one shared library, built on first use and
-registered with XLA as FFI targets.
+"""The C++ CPU kernels, each a shared library of its own (a `Kernel`: paged_attention.cc, matmul.cc, int8_matmul.cc,
+expert_matmul.cc, and grouped_matmul.cc once per form of weights), built on first use and registered with XLA as FFI
+targets.
 
-It is compiled with the machine's C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib ships, for this
-CPU (`-march=native`), into ~/.cache/jpaged/kernels (`JPAGED_KERNEL_CACHE` to move it): each source on a core of its
-own, then linked. An engine starts the build first thing (`build_in_background`) and loads its weights meanwhile.
-Where it cannot be built, `available()` is False (a warning says why) and callers fall back to XLA.
+Each is compiled with the machine's C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib ships, for
+this CPU (`-march=native`), into ~/.cache/jpaged/kernels (`JPAGED_KERNEL_CACHE` to move it). Built apart, a model
+waits only for the kernels it multiplies with (the embedded default model for none of the dense, int8 and expert
+ones, and for two of the grouped kernel's twelve forms), and they build on cores of their own: an engine starts
+the attention's first thing (`build_in_background`), its products' once it has chosen them, and loads its weights
+meanwhile. Where the compiler cannot build `ARITHMETIC`, a one-function probe, `compiles()` is False (a warning says
+why) and callers fall back to XLA.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -20,7 +23,9 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -30,25 +35,26 @@ import jaxlib
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-# Longest compile first (each source on a core of its own: the build takes about as long as the longest chain).
-SOURCES = tuple(
-    _HERE / name
-    for name in ("grouped_matmul.cc", "paged_attention.cc", "matmul.cc", "expert_matmul.cc", "int8_matmul.cc")
-)
 HEADERS = (_HERE / "kernel.h", _HERE / "panels.h")
-# FFI target name -> exported handler symbol
-TARGETS = {
-    "jpaged_paged_attention": "JpagedPagedAttention",
-    "jpaged_uninitialized": "JpagedUninitialized",
-    "jpaged_matmul": "JpagedMatmul",
-    "jpaged_matmul_gated": "JpagedMatmulGated",
-    "jpaged_grouped_matmul": "JpagedGroupedMatmul",
-    "jpaged_grouped_matmul_gated": "JpagedGroupedMatmulGated",
-    "jpaged_int8_matmul": "JpagedInt8Matmul",
-    "jpaged_int8_matmul_gated": "JpagedInt8MatmulGated",
-    "jpaged_expert_matmul": "JpagedExpertMatmul",
-    "jpaged_expert_matmul_gated": "JpagedExpertMatmulGated",
-}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One of the kernels' shared libraries: its source, the FFI targets it registers ({target: exported handler
+    symbol}) and the preprocessor definitions it is built with (a form of the grouped kernel)."""
+
+    source: str
+    targets: Mapping[str, str] = field(default_factory=dict, hash=False)
+    defines: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return "-".join((Path(self.source).stem, *(d.split("=")[-1] for d in self.defines))).replace(" ", "")
+
+
+# Which bfloat16 instructions the products multiply with (bfloat16_arithmetic): one function, compiled in a second,
+# and the probe that the compiler builds the kernels at all.
+ARITHMETIC = Kernel("arithmetic.cc")
 # What the kernels compute on (kernel.h converts bfloat16 to and from float32; float16 is not handled).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # -ffast-math's parts, not the flag itself: linking a library with -ffast-math (or -funsafe-math-optimizations) adds
@@ -84,27 +90,28 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
 
 
-def _build(compiler: str) -> Path:
-    """The shared library for these sources, compiler and CPU, compiled once and kept."""
+def _build(kernel: Kernel, compiler: str) -> Path:
+    """`kernel`'s shared library for its source, the headers, this compiler and CPU, compiled once and kept."""
+    source = _HERE / kernel.source
     key = hashlib.sha256()
     for part in (
-        *(path.read_bytes() for path in SOURCES + HEADERS),
+        *(path.read_bytes() for path in (source, *HEADERS)),
         compiler.encode(),
-        " ".join(_FLAGS + _VECTOR_MATH_DEFINE + _VECTOR_MATH_LIBRARY).encode(),
+        " ".join(_FLAGS + kernel.defines + _VECTOR_MATH_DEFINE + _VECTOR_MATH_LIBRARY).encode(),
         jaxlib.__version__.encode(),
         _cpu_signature().encode(),
     ):
         key.update(part)
     root = Path(os.environ.get("JPAGED_KERNEL_CACHE", Path.home() / ".cache" / "jpaged" / "kernels"))
-    library = root / f"jpaged-cpu-kernels-{key.hexdigest()[:16]}.so"
+    library = root / f"jpaged-{kernel.name}-{key.hexdigest()[:16]}.so"
     if not library.exists():
-        logger.info("compiling the CPU kernels into %s (once per machine)", root)
+        logger.info("compiling the CPU kernel %s into %s (once per machine)", kernel.name, root)
         start = time.perf_counter()
         root.mkdir(parents=True, exist_ok=True)
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
-        compile_sources(SOURCES, partial, compiler)
+        partial = library.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        compile_sources([source], partial, compiler, extra=kernel.defines)
         partial.replace(library)  # atomic: a concurrent process sees the whole library or none
-        logger.info("CPU kernels compiled in %.1f s", time.perf_counter() - start)
+        logger.info("CPU kernel %s compiled in %.1f s", kernel.name, time.perf_counter() - start)
     return library
 
 
@@ -154,37 +161,51 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-_LOADING = threading.Lock()  # one build at a time: the background one, or a caller that got there first
+_LOCKS: dict[Kernel, threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
+_LOADED: dict[Kernel, ctypes.CDLL | None] = {}
 
 
-def _loaded() -> ctypes.CDLL | None:
-    with _LOADING:
-        return _load()
+def load(kernel: Kernel) -> ctypes.CDLL | None:
+    """`kernel` built and registered with XLA (compiled the first time on this machine), or None where it cannot
+    be built (a warning says why); one build of a kernel at a time, other kernels' beside it."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.setdefault(kernel, threading.Lock())
+    with lock:
+        if kernel not in _LOADED:
+            _LOADED[kernel] = _built_and_registered(kernel)
+        return _LOADED[kernel]
 
 
-def build_in_background() -> None:
-    """Start building (or loading) the kernels on a thread of their own; the first use waits for it."""
-    threading.Thread(target=_loaded, name="jpaged-cpu-kernels", daemon=True).start()
-
-
-@functools.cache
-def _load() -> ctypes.CDLL | None:
-    """The kernels' library, built and registered with XLA (compiling it the first time on this machine)."""
+def _built_and_registered(kernel: Kernel) -> ctypes.CDLL | None:
     compiler = _compiler()
     if shutil.which(compiler) is None:
         logger.warning("no C++ compiler (%s) to build the CPU kernels", compiler)
         return None
     try:
-        library = register(_build(compiler), TARGETS)
+        return register(_build(kernel, compiler), kernel.targets)
     except (OSError, RuntimeError, AttributeError) as err:
-        logger.warning("could not build the CPU kernels: %s", err)
+        logger.warning("could not build the CPU kernel %s: %s", kernel.name, err)
         return None
-    return library
 
 
-def available() -> bool:
-    """Whether the kernels are built and registered with XLA."""
-    return _loaded() is not None
+def build_in_background(*kernels: Kernel) -> None:
+    """Start building (or loading) `kernels`, each on a thread of its own; a first use waits for its build."""
+    for kernel in kernels:
+        threading.Thread(
+            target=load, args=(kernel,), name=f"jpaged-kernel-{kernel.name}", daemon=True
+        ).start()
+
+
+def available(kernel: Kernel) -> bool:
+    """Whether `kernel` is built and registered with XLA."""
+    return load(kernel) is not None
+
+
+def compiles() -> bool:
+    """Whether this machine builds the CPU kernels (its compiler builds the `ARITHMETIC` probe): what callers
+    choose a kernel by, without waiting for the kernel's own build."""
+    return available(ARITHMETIC)
 
 
 def bfloat16_dot_products() -> str | None:
@@ -203,7 +224,7 @@ def bfloat16_arithmetic() -> str | None:
     """The bfloat16 dot-product instructions the matmul kernel multiplies with on this CPU (`amx_bf16` where the
     tiles are built and Linux grants them, else `avx512_bf16`), or None where it widens bfloat16 to float32 (or the
     kernels cannot be built)."""
-    library = _loaded()
+    library = load(ARITHMETIC)
     if library is None:
         return None
     query = library.JpagedBfloat16Arithmetic
@@ -211,7 +232,7 @@ def bfloat16_arithmetic() -> str | None:
     return query().decode() or None
 
 
-def require() -> None:
-    """Raises RuntimeError where the kernels cannot be built."""
-    if not available():
-        raise RuntimeError("the CPU kernels could not be built (see the warning logged)")
+def require(kernel: Kernel) -> None:
+    """Raises RuntimeError where `kernel` cannot be built."""
+    if not available(kernel):
+        raise RuntimeError(f"the CPU kernel {kernel.name} could not be built (see the warning logged)")

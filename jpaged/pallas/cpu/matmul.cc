@@ -52,8 +52,6 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer panels,
 
 }  // namespace
 
-extern "C" const char* JpagedBfloat16Arithmetic() { return Bfloat16Arithmetic(); }
-
 // What both forms are called with: x, panels, layer, rows -> out.
 static auto Binding() {
   return ffi::Ffi::Bind()

@@ -17,8 +17,11 @@ summed over K in the same order whatever the number of rows.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jpaged.pallas.cpu import library
 from jpaged.rounding import cdiv
@@ -26,19 +29,40 @@ from jpaged.rounding import cdiv
 PANEL = 16
 _TARGET = "jpaged_matmul"
 _GATED_TARGET = "jpaged_matmul_gated"
+KERNEL = library.Kernel("matmul.cc", {_TARGET: "JpagedMatmul", _GATED_TARGET: "JpagedMatmulGated"})
 
 
 def supports(dtype) -> bool:
-    """Whether the kernel takes weights of `dtype` here (building it the first time)."""
-    return jnp.dtype(dtype) in library.SUPPORTED_DTYPES and library.available()
+    """Whether the kernels take weights of `dtype` here (the machine builds them; this one builds on first use)."""
+    return jnp.dtype(dtype) in library.SUPPORTED_DTYPES and library.compiles()
 
 
-@jax.jit
-def pack(w: jax.Array) -> jax.Array:
+def on_host_or_jitted(*static_argnames: str):
+    """A layout `f(xp, w, ...)`, xp numpy or jax.numpy, run with numpy where `w` is a host array, so that laying
+    out a model's weights compiles nothing (a program for each weight's shape was half a second of every warm
+    start, each too quick to compile for the persistent cache to keep it), jitted on jax arrays and in traces."""
+
+    def wrap(layout):
+        jitted = jax.jit(functools.partial(layout, jnp), static_argnames=static_argnames)
+
+        @functools.wraps(layout)
+        def run(w, *args, **kwargs):
+            if isinstance(w, np.ndarray):
+                return layout(np, w, *args, **kwargs)
+            return jitted(w, *args, **kwargs)
+
+        return run
+
+    return wrap
+
+
+@on_host_or_jitted()
+def pack(xp, w: jax.Array) -> jax.Array:
     """w [..., K, N] -> panels [..., ceil(N / 16), K, 16]."""
     n = w.shape[-1]
-    w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, -n % PANEL)])
-    return jnp.swapaxes(w.reshape(*w.shape[:-1], -1, PANEL), -2, -3)
+    if n % PANEL:  # numpy's pad copies even where it adds nothing
+        w = xp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, -n % PANEL)])
+    return xp.swapaxes(w.reshape(*w.shape[:-1], -1, PANEL), -2, -3)
 
 
 def gated_packs(width: int) -> bool:
@@ -46,8 +70,8 @@ def gated_packs(width: int) -> bool:
     return width % (2 * PANEL) == 0
 
 
-@jax.jit
-def pack_gated(w: jax.Array) -> jax.Array:
+@on_host_or_jitted()
+def pack_gated(xp, w: jax.Array) -> jax.Array:
     """gate|up w [..., K, 2F] -> panels [..., 2F / 16, K, 16] in the order gate 0, up 0, gate 1, up 1, ..."""
     if not gated_packs(w.shape[-1]):
         raise ValueError(
@@ -56,7 +80,7 @@ def pack_gated(w: jax.Array) -> jax.Array:
     panels = pack(w)
     lead, (num_panels, k, _) = panels.shape[:-3], panels.shape[-3:]
     halves = panels.reshape(*lead, 2, num_panels // 2, k, PANEL)
-    return jnp.swapaxes(halves, -3, -4).reshape(panels.shape)
+    return xp.swapaxes(halves, -3, -4).reshape(panels.shape)
 
 
 def columns(panels: jax.Array, ids: jax.Array) -> jax.Array:
@@ -98,7 +122,7 @@ def gated_matmul(
 
 def _checked(x: jax.Array, panels: jax.Array, n: int, num_panels: int, what: str) -> jax.Array:
     """The panels as a stack [L, P, K, 16], once x, n and their shapes and dtypes agree (else ValueError)."""
-    library.require()
+    library.require(KERNEL)
     if panels.ndim == 3:
         panels = panels[None]
     if x.ndim != 2 or panels.ndim != 4 or panels.shape[2] != x.shape[1] or panels.shape[1] != num_panels:
