@@ -5,7 +5,11 @@ compilations, which must stay 0; a `--warmup full` server under the same loads f
 on the same weights beside it (compare.sh's peers: `bash ../shared/bench/setup_peers.sh` builds them).
 
   python scripts/bench_startup.py                    # cold, warm, warm --warmup full
+  python scripts/bench_startup.py --repeats 3        # each three times (a cold run from fresh caches each time)
   python scripts/bench_startup.py --vllm             # and vLLM's `vllm serve` on the same machine
+
+Servers run as a user's Python does, writing bytecode caches (PYTHONDONTWRITEBYTECODE, which some sandboxes set,
+is unset for them: compiling jpaged's modules from source costs a warm start ~0.4 s).
 
 Phases are read off the server's log, each at the time its line appeared (seconds from the process's start):
 kernels (the CPU kernels' build, cold only), load (the weights), ready (the first warm-up stage compiled), all
@@ -31,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = {  # phase -> the log line that ends it
-    "kernels compiled": r"CPU kernels compiled in",
+PHASES = {  # phase -> the log line that ends it (its last)
+    "kernels compiled": r"CPU kernel \S+ compiled in",
     "weights loaded": r"jpaged\.models\.loader: loaded",
     "ready": r"ready: weights loaded",
     "all programs compiled": r"warm-up: .*(?:; 0 programs left|every step shape ready)",
@@ -84,7 +88,7 @@ class Server:
             raise RuntimeError("the server exited:\n" + "\n".join(line for _, line in self.lines[-30:]))
 
     def phase(self, pattern: str) -> float | None:
-        return next((t for t, line in self.lines if re.search(pattern, line)), None)
+        return next((t for t, line in reversed(self.lines) if re.search(pattern, line)), None)
 
     def metric(self, name: str) -> float | None:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
@@ -151,14 +155,19 @@ def load(server: Server, model: str, seconds: float, concurrency: int) -> float:
     return sum(tokens) / (time.perf_counter() - start)
 
 
+def user_environment() -> dict[str, str]:
+    """This process's environment as a user's shell has it: Python writes its bytecode caches."""
+    return {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+
+
 def jpaged_run(label: str, cache: Path, args, extra: list[str], model: str = "jpaged-default") -> dict:
     env = {
-        **os.environ,
+        **user_environment(),
         "JPAGED_CACHE_DIR": str(cache / "jpaged"),
         "JPAGED_KERNEL_CACHE": str(cache / "kernels"),
     }
     port = free_port()
-    cli = [sys.executable, "-m", "jpaged.entrypoints.cli", "--log-level", "INFO"]
+    cli = [sys.executable, "-m", "jpaged.entrypoints.launch", "--log-level", "INFO"]  # what `jpaged` runs
     command = [*cli, "serve", "--port", str(port), "--compilation-cache-dir", str(cache / "xla"), *extra]
     server = Server(command, env, port)
     try:
@@ -187,7 +196,7 @@ def vllm_run(args) -> dict:
     port = free_port()
     tcmalloc = peers / "sysroot/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
     env = {
-        **os.environ,
+        **user_environment(),
         "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_CACHE_ROOT": str(peers / "cache" / "vllm"),
         "HF_HUB_OFFLINE": "1",
@@ -235,18 +244,21 @@ def main() -> None:
         help="each load's length, from ready and after warm-up (0: none)",
     )
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each (figures move between runs)")
     args = parser.parse_args()
-    cache = Path(tempfile.mkdtemp(prefix="jpaged-startup-"))
+    caches = [Path(tempfile.mkdtemp(prefix="jpaged-startup-")) for _ in range(args.repeats)]
     try:
-        results = [
-            jpaged_run("jpaged cold (fresh caches)", cache, args, []),
-            jpaged_run("jpaged warm", cache, args, []),
-            jpaged_run("jpaged warm, --warmup full", cache, args, ["--warmup", "full"]),
+        results = [jpaged_run("jpaged cold (fresh caches)", cache, args, []) for cache in caches]
+        warm = caches[-1]
+        results += [jpaged_run("jpaged warm", warm, args, []) for _ in caches]
+        results += [
+            jpaged_run("jpaged warm, `--warmup full`", warm, args, ["--warmup", "full"]) for _ in caches
         ]
         if args.vllm:
             results.append(vllm_run(args))
     finally:
-        shutil.rmtree(cache, ignore_errors=True)
+        for cache in caches:
+            shutil.rmtree(cache, ignore_errors=True)
     flags = sorted(set(re.findall(r"avx512_bf16|amx_bf16|amx_int8", Path("/proc/cpuinfo").read_text())))
     print(
         f"\nseconds from the process's start; {os.cpu_count()} cores, {' '.join(flags) or 'no avx512_bf16/amx'}"

@@ -18,6 +18,8 @@ from jpaged_server.errors import error_response
 from jpaged_server.lifecycle import GracefulServer
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from jpaged import start_up_collector
+
 logger = logging.getLogger(__name__)
 
 LOADING_MESSAGE = "the model is loading and its step shapes compiling; retry when /ready is 200"
@@ -65,6 +67,7 @@ class EngineLoader:
         self.app = app
         self._server.state = app.state.server  # before any request reaches it: a drain waits for its requests
         self._startup.app = app
+        start_up_collector.resume()  # paused while the process started
         remaining = app.state.server.engine.metrics()["warmup_programs_remaining"]
         logger.info(
             "ready: weights loaded and warm-up done%s; /ready answers 200",

@@ -11,6 +11,7 @@ import typing
 
 from jpaged_server.cli import add_server_args
 
+from jpaged import start_up_collector
 from jpaged.benchmarks.bench_serve import add_bench_serve_args
 from jpaged.benchmarks.bench_throughput import add_bench_throughput_args
 from jpaged.benchmarks.plan_command import add_plan_args
@@ -84,6 +85,7 @@ def _join_processes(args: argparse.Namespace) -> bool:
 def _follow(config: EngineConfig) -> int:
     from jpaged.engine.follower import follow
 
+    start_up_collector.resume()  # a follower serves no /ready to resume it at
     return follow(config.gpu_memory_utilization)
 
 
@@ -205,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.command == "serve":
-        args.model = args.model_tag
+        args.model = args.model_tag  # the server resumes the collector once it is ready
+    else:
+        start_up_collector.resume()
     try:
         return args.run(args)
     except ValueError as err:

@@ -72,11 +72,10 @@ def pack(
     if bits not in CODE_BITS:
         raise ValueError(f"codes must be {CODE_BITS} bits, got {bits}")
     panels = pack_gated if gated else pack_panels
-    code_panels = panels(codes)
-    if bits == 4:
-        low, high = code_panels[..., 0::2, :], code_panels[..., 1::2, :]
-        code_panels = (low.astype(np.uint8) & 15) | (high.astype(np.uint8) << 4)
-    return code_panels, panels(scale), panels(bias)
+    if bits == 4:  # rows paired before the panels are made: the columns' order leaves the rows' alone
+        low, high = codes[..., 0::2, :], codes[..., 1::2, :]
+        codes = (low.astype(np.uint8) & 15) | (high.astype(np.uint8) << 4)
+    return panels(codes), panels(scale), panels(bias)
 
 
 def reads(matrix) -> bool:

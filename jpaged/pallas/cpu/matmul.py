@@ -77,10 +77,10 @@ def pack_gated(xp, w: jax.Array) -> jax.Array:
         raise ValueError(
             f"the gated form needs gate and up widths that are multiples of {PANEL}, got {w.shape}"
         )
-    panels = pack(w)
-    lead, (num_panels, k, _) = panels.shape[:-3], panels.shape[-3:]
-    halves = panels.reshape(*lead, 2, num_panels // 2, k, PANEL)
-    return xp.swapaxes(halves, -3, -4).reshape(panels.shape)
+    *lead, k, width = w.shape
+    halves = w.reshape(*lead, k, 2, width // (2 * PANEL), PANEL)  # [.., k, gate or up, its panel, column]
+    order = (*range(len(lead)), len(lead) + 2, len(lead) + 1, len(lead), len(lead) + 3)
+    return xp.transpose(halves, order).reshape(*lead, width // PANEL, k, PANEL)  # one copy
 
 
 def columns(panels: jax.Array, ids: jax.Array) -> jax.Array:
