@@ -39,6 +39,7 @@ from bench_decode_step import BLOCK_SIZE, decode_batch  # noqa: E402  (scripts/ 
 from bench_matmul import NUM_LAYERS  # noqa: E402
 from bench_matmul import SHAPES as MATMUL_SHAPES  # noqa: E402
 
+from jpaged.pallas.cpu import attention as cpu_attention  # noqa: E402
 from jpaged.pallas.cpu import library as cpu_library  # noqa: E402
 from jpaged.pallas.cpu import matmul as cpu_matmul  # noqa: E402
 
@@ -46,7 +47,9 @@ SYMBOLS = {"attention": "JpagedPagedAttention", "matmul": "JpagedMatmul"}
 SCALED_TARGETS = set()  # attention sources that take the k_scale and v_scale operands
 
 
-def build(source: str, kernel: str, index: int, workdir: Path, march: str = "native") -> str:
+def build(
+    source: str, kernel: str, index: int, workdir: Path, march: str = "native", defines: tuple[str, ...] = ()
+) -> str:
     """Compiles `source` (a path or REV:PATH) and registers it as FFI target `ab<index>`."""
     if ":" in source and not Path(source).exists():
         text = subprocess.run(["git", "show", source], capture_output=True, text=True, check=True).stdout
@@ -58,7 +61,7 @@ def build(source: str, kernel: str, index: int, workdir: Path, march: str = "nat
     if "k_scale" in path.read_text():
         SCALED_TARGETS.add(target)
     library = workdir / f"variant{index}.so"
-    cpu_library.compile_sources([path], library, march=march)
+    cpu_library.compile_sources([path], library, march=march, extra=defines)
     cpu_library.register(library, {target: SYMBOLS[kernel]})
     return target
 
@@ -168,7 +171,12 @@ def main() -> None:
         raise SystemExit("the C++ CPU kernels cannot be built here")
 
     with tempfile.TemporaryDirectory() as workdir:
-        targets = [build(s, args.kernel, i, Path(workdir), args.march) for i, s in enumerate(args.sources)]
+        # the attention kernel is built once per form: the one of --dtype and --kv-dtype
+        fp8 = args.kv_dtype == "float8_e4m3fn"
+        defines = cpu_attention.kernel(args.dtype, fp8).defines if args.kernel == "attention" else ()
+        targets = [
+            build(s, args.kernel, i, Path(workdir), args.march, defines) for i, s in enumerate(args.sources)
+        ]
         rng = np.random.default_rng(0)
         runs = (attention_runs if args.kernel == "attention" else matmul_runs)(targets, args, rng)
         print(

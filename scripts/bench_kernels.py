@@ -144,7 +144,7 @@ def main() -> None:
     dtype = jnp.dtype(args.dtype)
     scale = 1.0 / math.sqrt(HEAD_DIM)
     impls = {"reference": jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))}
-    if backend == "cpu" and cpu_library.available(cpu_attention.KERNEL):
+    if backend == "cpu" and cpu_library.available(cpu_attention.kernel(dtype)):
         impls["cpu"] = jax.jit(functools.partial(cpu_attention.ragged_paged_attention, sm_scale=scale))
     if backend != "cpu" or args.interpret:
         for name, kernel in kernels_for_backend(backend, dtype).items():

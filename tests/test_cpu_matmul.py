@@ -155,7 +155,7 @@ def test_the_amx_tiles_take_bfloat16_products_whatever_the_rows(tmp_path_factory
     """On the model of the tiles: the tile path runs (its dot products counted), says so to dtype="auto", and
     gives a row the same bits in a batch of 64 rows as in one of 1, 11 or 17."""
     target, handle = runnable_build("amx-model", tmp_path_factory)
-    _, arithmetic = runnable_build("amx-model", tmp_path_factory, "arithmetic.cc", {})
+    _, arithmetic = runnable_build("amx-model", tmp_path_factory, "common.cc", {})
     arithmetic.JpagedBfloat16Arithmetic.restype = ctypes.c_char_p
     assert arithmetic.JpagedBfloat16Arithmetic() == b"amx_bf16"
     handle.JpagedAmxModelDots.restype = ctypes.c_int64
@@ -281,7 +281,7 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
     import sys
 
     check = (
-        "from jpaged.pallas.cpu import library, matmul; library.require(library.ARITHMETIC); "
+        "from jpaged.pallas.cpu import library, matmul; library.require(library.COMMON); "
         "library.require(matmul.KERNEL); "
         "tiny = 2.2250738585072014e-308; assert tiny / 2 != 0.0, 'subnormals flushed to zero'"
     )

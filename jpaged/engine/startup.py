@@ -36,15 +36,16 @@ def for_this_platform(config: EngineConfig) -> tuple[EngineConfig, np.dtype]:
     allocator first: it must be configured before JAX initialises its backend; on CPU, starts the kernels' build."""
     configure_accelerator_allocator(config.gpu_memory_utilization)
     platform = jax.default_backend()
-    if platform == "cpu":
-        # while the weights load (the products' kernels once they are chosen): their first use waits for them
-        cpu_kernels.build_in_background(cpu_kernels.ARITHMETIC, cpu_attention.KERNEL)
     if config.dtype != "auto":
         dtype = jnp.dtype(config.dtype)
     elif platform == "cpu":
         dtype = cpu_auto_dtype()
     else:
         dtype = jnp.dtype(jnp.bfloat16)
+    if platform == "cpu" and dtype in cpu_kernels.SUPPORTED_DTYPES:
+        # while the weights load (the products' kernels once they are chosen): their first use waits for them
+        attention = cpu_attention.kernel(dtype, fp8_pages=config.fp8_kv_cache)
+        cpu_kernels.build_in_background(cpu_kernels.COMMON, attention)
     return config.for_platform(platform), dtype
 
 

@@ -4,13 +4,14 @@ custom call. Same contract as reference.py.
 Pallas has no CPU backend, and in XLA the attention of a decode step gathers and transposes every page before its
 dots: well over the time of just reading the KV data (README's bench_decode_step table). The kernel reads each page once, in place.
 
-It is built on first use with the other CPU kernels (library.py); where it cannot be built, `auto` falls back to
-the XLA reference.
+It is built on first use (library.py), once per form (`kernel`: the queries' dtype, and whether the pages are
+float8); where the kernels cannot be built, `auto` falls back to the XLA reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -27,19 +28,29 @@ from jpaged.pallas.common import (
 )
 from jpaged.pallas.cpu import huge_pages, library
 
-_TARGET = "jpaged_paged_attention"
-_UNINITIALIZED_TARGET = "jpaged_uninitialized"
-KERNEL = library.Kernel(
-    "paged_attention.cc", {_TARGET: "JpagedPagedAttention", _UNINITIALIZED_TARGET: "JpagedUninitialized"}
-)
+_C_TYPES = {"float32": "float", "bfloat16": "uint16_t"}  # q's (bfloat16 as its 16 bits)
+
+
+@functools.cache
+def kernel(q_dtype, fp8_pages: bool = False) -> library.Kernel:
+    """The form of the kernel for queries of `q_dtype` over pages of that dtype, or of float8_e4m3fn bytes."""
+    name = jnp.dtype(q_dtype).name
+    if name not in _C_TYPES:
+        raise ValueError(f"the CPU attention kernel takes float32 or bfloat16 queries, not {name}")
+    pages = "float8_e4m3fn" if fp8_pages else name
+    return library.Kernel(
+        "paged_attention.cc",
+        {f"jpaged_paged_attention_{name}_{pages}": "JpagedPagedAttention"},
+        (f"-DJPAGED_ATTENTION_Q={_C_TYPES[name]}", f"-DJPAGED_ATTENTION_FP8={int(fp8_pages)}"),
+    )
 
 
 def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
     """An array of `shape` that nothing has written: a KV pool for this kernel, which never reads a slot no sequence
     owns. Zero-filling the default 4 GiB pool is seconds of a CPU start-up (README); untouched, its pages are
     mapped in as blocks are first written."""
-    library.require(KERNEL)
-    return jax.jit(jax.ffi.ffi_call(_UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(shape, dtype)))()
+    library.require(library.COMMON)
+    return jax.jit(jax.ffi.ffi_call(library.UNINITIALIZED, jax.ShapeDtypeStruct(shape, dtype)))()
 
 
 MAP_CHUNK = 4 << 20  # bytes of a layer's blocks mapped in at a time
@@ -143,8 +154,10 @@ def ragged_paged_attention_stacked(
         sinks=sinks,
     )
     check_layout(q.shape[-1], q.dtype)
-    library.require(KERNEL)
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    form = kernel(q.dtype, fp8_pages=pages[0].dtype == FP8_PAGES)
+    library.require(form)
+    (target,) = form.targets
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q,
         k_cache,

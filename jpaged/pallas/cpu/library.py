@@ -5,9 +5,9 @@ targets.
 Each is compiled with the machine's C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib ships, for
 this CPU (`-march=native`), into ~/.cache/jpaged/kernels (`JPAGED_KERNEL_CACHE` to move it). Built apart, a model
 waits only for the kernels it multiplies with (the embedded default model for none of the dense, int8 and expert
-ones, and for two of the grouped kernel's twelve forms), and they build on cores of their own: an engine starts
+ones, and for two of the grouped kernel's eighteen forms), and they build on cores of their own: an engine starts
 the attention's first thing (`build_in_background`), its products' once it has chosen them, and loads its weights
-meanwhile. Where the compiler cannot build `ARITHMETIC`, a one-function probe, `compiles()` is False (a warning says
+meanwhile. Where the compiler cannot build `COMMON`, the small library every model needs first, `compiles()` is False (a warning says
 why) and callers fall back to XLA.
 """
 
@@ -52,9 +52,11 @@ class Kernel:
         return "-".join((Path(self.source).stem, *(d.split("=")[-1] for d in self.defines))).replace(" ", "")
 
 
-# Which bfloat16 instructions the products multiply with (bfloat16_arithmetic): one function, compiled in a second,
-# and the probe that the compiler builds the kernels at all.
-ARITHMETIC = Kernel("arithmetic.cc")
+# What every model needs (common.cc): which bfloat16 instructions the products multiply with (bfloat16_arithmetic)
+# and an array nothing writes (the KV pool's); compiled in a second or two, and the probe that the compiler builds
+# the kernels at all.
+UNINITIALIZED = "jpaged_uninitialized"
+COMMON = Kernel("common.cc", {UNINITIALIZED: "JpagedUninitialized"})
 # What the kernels compute on (kernel.h converts bfloat16 to and from float32; float16 is not handled).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # -ffast-math's parts, not the flag itself: linking a library with -ffast-math (or -funsafe-math-optimizations) adds
@@ -203,9 +205,9 @@ def available(kernel: Kernel) -> bool:
 
 
 def compiles() -> bool:
-    """Whether this machine builds the CPU kernels (its compiler builds the `ARITHMETIC` probe): what callers
+    """Whether this machine builds the CPU kernels (its compiler builds the `COMMON` probe): what callers
     choose a kernel by, without waiting for the kernel's own build."""
-    return available(ARITHMETIC)
+    return available(COMMON)
 
 
 def bfloat16_dot_products() -> str | None:
@@ -224,7 +226,7 @@ def bfloat16_arithmetic() -> str | None:
     """The bfloat16 dot-product instructions the matmul kernel multiplies with on this CPU (`amx_bf16` where the
     tiles are built and Linux grants them, else `avx512_bf16`), or None where it widens bfloat16 to float32 (or the
     kernels cannot be built)."""
-    library = load(ARITHMETIC)
+    library = load(COMMON)
     if library is None:
         return None
     query = library.JpagedBfloat16Arithmetic

@@ -864,6 +864,10 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, const T* q, const P* k_l
   return ffi::Error::Success();
 }
 
+// The form this library is built for (attention.py's `kernel`): q's type, and whether the pages are e4m3 bytes.
+using FormQ = JPAGED_ATTENTION_Q;  // float, or uint16_t for bfloat16
+constexpr bool kFormFp8 = JPAGED_ATTENTION_FP8;
+
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
@@ -908,29 +912,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   const int num_seq_slots = static_cast<int>(kv_lens.dimensions()[0]);
   const int live = std::clamp(num_seqs.typed_data()[0], 0, num_seq_slots);
   const int64_t layer_offset = static_cast<int64_t>(layer_index) * kd[1] * kd[2] * kd[3] * kd[4];
-  if (fp8) {
-    auto* k = static_cast<const E4M3*>(k_cache.untyped_data()) + layer_offset;
-    auto* v = static_cast<const E4M3*>(v_cache.untyped_data()) + layer_offset;
-    if (dtype == ffi::DataType::F32)
-      return Run(pool, p, static_cast<const float*>(q.untyped_data()), k, v,
-                 static_cast<float*>(out->untyped_data()), live, qd[0]);
-    if (dtype == ffi::DataType::BF16)
-      return Run(pool, p, static_cast<const uint16_t*>(q.untyped_data()), k, v,
-                 static_cast<uint16_t*>(out->untyped_data()), live, qd[0]);
-  }
-  if (dtype == ffi::DataType::F32) {
-    auto* k = static_cast<const float*>(k_cache.untyped_data()) + layer_offset;
-    auto* v = static_cast<const float*>(v_cache.untyped_data()) + layer_offset;
-    return Run(pool, p, static_cast<const float*>(q.untyped_data()), k, v, static_cast<float*>(out->untyped_data()),
-               live, qd[0]);
-  }
-  if (dtype == ffi::DataType::BF16) {
-    auto* k = static_cast<const uint16_t*>(k_cache.untyped_data()) + layer_offset;
-    auto* v = static_cast<const uint16_t*>(v_cache.untyped_data()) + layer_offset;
-    return Run(pool, p, static_cast<const uint16_t*>(q.untyped_data()), k, v,
-               static_cast<uint16_t*>(out->untyped_data()), live, qd[0]);
-  }
-  return ffi::Error::InvalidArgument("only float32 and bfloat16 are supported");
+  if (fp8 != kFormFp8 || dtype != (std::is_same<FormQ, float>::value ? ffi::DataType::F32 : ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("q or the caches are not of the types this form of the kernel is built for");
+  using Pages = std::conditional<kFormFp8, E4M3, FormQ>::type;
+  return Run(pool, p, static_cast<const FormQ*>(q.untyped_data()),
+             static_cast<const Pages*>(k_cache.untyped_data()) + layer_offset,
+             static_cast<const Pages*>(v_cache.untyped_data()) + layer_offset, static_cast<FormQ*>(out->untyped_data()),
+             live, qd[0]);
 }
 
 }  // namespace
@@ -953,9 +941,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttention,
                                   .Ret<ffi::AnyBuffer>()           // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap"));
-
-// An array XLA allocates and nothing writes: the kernel never reads a KV slot no sequence owns, so its pool needs no
-// zero-fill, and the OS maps pages in as blocks are first written.
-ffi::Error Uninitialized(ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedUninitialized, Uninitialized, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
