@@ -163,32 +163,97 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-_LOCKS: dict[Kernel, threading.Lock] = {}
+_LOCKS: dict[Kernel, threading.Lock] = {}  # a kernel's build
 _LOCKS_LOCK = threading.Lock()
-_LOADED: dict[Kernel, ctypes.CDLL | None] = {}
+_OPENED: dict[Kernel, ctypes.CDLL | None] = {}
+_REGISTERED: dict[
+    Kernel, list[int] | None
+] = {}  # targets registered: to deferred slots (their numbers), or not
+_REGISTERING = threading.Lock()
 
 
-def load(kernel: Kernel) -> ctypes.CDLL | None:
-    """`kernel` built and registered with XLA (compiled the first time on this machine), or None where it cannot
-    be built (a warning says why); one build of a kernel at a time, other kernels' beside it."""
+def _opened(kernel: Kernel) -> ctypes.CDLL | None:
+    """`kernel`'s library built (the first time on this machine) and opened, or None where it cannot be built (a
+    warning says why); one build of a kernel at a time, other kernels' beside it."""
     with _LOCKS_LOCK:
         lock = _LOCKS.setdefault(kernel, threading.Lock())
     with lock:
-        if kernel not in _LOADED:
-            _LOADED[kernel] = _built_and_registered(kernel)
-        return _LOADED[kernel]
+        if kernel not in _OPENED:
+            _OPENED[kernel] = _built(kernel)
+        return _OPENED[kernel]
 
 
-def _built_and_registered(kernel: Kernel) -> ctypes.CDLL | None:
+def _built(kernel: Kernel) -> ctypes.CDLL | None:
     compiler = _compiler()
     if shutil.which(compiler) is None:
         logger.warning("no C++ compiler (%s) to build the CPU kernels", compiler)
         return None
     try:
-        return register(_build(kernel, compiler), kernel.targets)
-    except (OSError, RuntimeError, AttributeError) as err:
+        return ctypes.cdll.LoadLibrary(str(_build(kernel, compiler)))
+    except (OSError, RuntimeError) as err:
         logger.warning("could not build the CPU kernel %s: %s", kernel.name, err)
         return None
+
+
+def _handler(library: ctypes.CDLL, symbol: str):
+    return jax.ffi.pycapsule(getattr(library, symbol))
+
+
+def load(kernel: Kernel) -> ctypes.CDLL | None:
+    """`kernel` built and its handlers behind its FFI targets, or None where it cannot be built."""
+    library = _opened(kernel)
+    with _REGISTERING:
+        if kernel not in _REGISTERED and library is not None:
+            for target, symbol in kernel.targets.items():
+                jax.ffi.register_ffi_target(target, _handler(library, symbol), platform="cpu")
+            _REGISTERED[kernel] = None
+        elif _REGISTERED.get(kernel):  # deferred: the slots now forward to the handlers
+            point = _opened(COMMON).JpagedSetDeferred
+            for slot, symbol in zip(_REGISTERED[kernel], kernel.targets.values(), strict=True):
+                point(
+                    slot, None if library is None else ctypes.cast(getattr(library, symbol), ctypes.c_void_p)
+                )
+            _REGISTERED[kernel] = None
+    return library
+
+
+def require(kernel: Kernel) -> None:
+    """`kernel`'s FFI targets registered with XLA, so that programs calling them compile now; where its library is
+    still to be built, they are registered to deferred handlers (common.cc) and it builds on a thread: a call waits
+    for the build, and fails with a message if the build does. Raises RuntimeError where the kernels cannot be
+    built at all (`compiles()`)."""
+    if not compiles():
+        raise RuntimeError(f"the CPU kernel {kernel.name} could not be built (see the warning logged)")
+    with _REGISTERING:
+        if kernel in _REGISTERED:
+            return
+        slots = _deferred_slots(len(kernel.targets)) if kernel not in _OPENED else None
+        if slots is not None:
+            common = _opened(COMMON)
+            for slot, target in zip(slots, kernel.targets, strict=True):
+                handler = jax.ffi.pycapsule(common.JpagedDeferredHandler(slot))
+                jax.ffi.register_ffi_target(target, handler, platform="cpu")
+            _REGISTERED[kernel] = slots
+    if slots is None:  # built already, or no slot left: registered as it is, waiting for it here
+        if load(kernel) is None:
+            raise RuntimeError(f"the CPU kernel {kernel.name} could not be built (see the warning logged)")
+    else:
+        build_in_background(kernel)
+
+
+_next_slot = 0
+
+
+def _deferred_slots(count: int) -> list[int] | None:
+    """`count` unused deferred handlers' slots (under _REGISTERING), or None where too few are left."""
+    global _next_slot
+    common = _opened(COMMON)
+    if _next_slot + count > common.JpagedDeferredSlots():
+        return None
+    common.JpagedDeferredHandler.restype = ctypes.c_void_p
+    common.JpagedSetDeferred.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    _next_slot += count
+    return list(range(_next_slot - count, _next_slot))
 
 
 def build_in_background(*kernels: Kernel) -> None:
@@ -200,13 +265,13 @@ def build_in_background(*kernels: Kernel) -> None:
 
 
 def available(kernel: Kernel) -> bool:
-    """Whether `kernel` is built and registered with XLA."""
+    """Whether `kernel` is built and registered with XLA (building it if need be)."""
     return load(kernel) is not None
 
 
 def compiles() -> bool:
-    """Whether this machine builds the CPU kernels (its compiler builds the `COMMON` probe): what callers
-    choose a kernel by, without waiting for the kernel's own build."""
+    """Whether this machine builds the CPU kernels (its compiler builds `COMMON`): what callers choose a kernel
+    by, without waiting for the kernel's own build."""
     return available(COMMON)
 
 
@@ -232,9 +297,3 @@ def bfloat16_arithmetic() -> str | None:
     query = library.JpagedBfloat16Arithmetic
     query.restype = ctypes.c_char_p
     return query().decode() or None
-
-
-def require(kernel: Kernel) -> None:
-    """Raises RuntimeError where `kernel` cannot be built."""
-    if not available(kernel):
-        raise RuntimeError(f"the CPU kernel {kernel.name} could not be built (see the warning logged)")
