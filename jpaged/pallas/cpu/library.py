@@ -155,7 +155,7 @@ def register(library: Path, targets: dict[str, str]) -> ctypes.CDLL:
     """Loads the built `library` and registers its handlers with XLA's CPU backend ({FFI target: symbol})."""
     handle = ctypes.cdll.LoadLibrary(str(library))
     for target, symbol in targets.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
+        jax.ffi.register_ffi_target(target, _handler(handle, symbol), platform="cpu")
     return handle
 
 
@@ -166,9 +166,8 @@ def _compiler() -> str:
 _LOCKS: dict[Kernel, threading.Lock] = {}  # a kernel's build
 _LOCKS_LOCK = threading.Lock()
 _OPENED: dict[Kernel, ctypes.CDLL | None] = {}
-_REGISTERED: dict[
-    Kernel, list[int] | None
-] = {}  # targets registered: to deferred slots (their numbers), or not
+# A kernel whose targets are registered: to deferred handlers (their slots), or to its own (None).
+_REGISTERED: dict[Kernel, list[int] | None] = {}
 _REGISTERING = threading.Lock()
 
 
