@@ -43,7 +43,7 @@ def for_this_platform(config: EngineConfig) -> tuple[EngineConfig, np.dtype]:
     else:
         dtype = jnp.dtype(jnp.bfloat16)
     if platform == "cpu" and dtype in cpu_kernels.SUPPORTED_DTYPES:
-        # while the weights load (the products' kernels once they are chosen): their first use waits for them
+        # while the weights load (the products' kernels when the warm-up first traces them): a call waits for them
         attention = cpu_attention.kernel(dtype, fp8_pages=config.fp8_kv_cache)
         cpu_kernels.build_in_background(cpu_kernels.COMMON, attention)
     return config.for_platform(platform), dtype

@@ -90,7 +90,6 @@ class PanelProducts:
     experts_gated_form: bool = False  # its gate|up packed for the gated form
     whole_matrices: tuple[str, ...] = (*LAYER_MATRICES, *EXPERT_MATRICES)
     fused_groups: int = 1
-    layer_kernel = cpu_matmul.KERNEL  # what the layers' dense matrices are multiplied by (not a field)
 
     @classmethod
     def for_params(cls, params: dict, activation: str = "silu") -> PanelProducts:
@@ -127,26 +126,6 @@ class PanelProducts:
     def layer_panels(self, matrix, gated: bool):
         """A layer matrix's stack as `layer` reads it."""
         return _panels(matrix, gated)
-
-    def cpu_kernels(self, params: dict) -> set[cpu_kernels.Kernel]:
-        """The C++ kernels these products multiply `params` with (each a build of its own: library.py), the
-        grouped kernel's forms by the panels' dtypes, its LM head's summing into float32."""
-        laid_out = jax.eval_shape(self.layout, _abstract(params))
-        dtype = params_dtype(params)
-
-        def kernel(matrix, dense: cpu_kernels.Kernel, out_dtype=None) -> cpu_kernels.Kernel:
-            if isinstance(matrix, GroupedPanels):
-                return grouped_matmul.kernel(
-                    matrix.bits, matrix.codes.dtype, matrix.scale.dtype, dtype, out_dtype
-                )
-            return dense
-
-        layers = laid_out["layers"]
-        kernels = {kernel(_at(layers, path), self.layer_kernel) for path in layer_matrices(layers).values()}
-        if "experts_gate_up" in layers["mlp"]:
-            kernels.add(expert_matmul.KERNEL)
-        head = laid_out["embed"]["weight"] if self.tied else laid_out["lm_head"]
-        return kernels | {kernel(head, cpu_matmul.KERNEL, jnp.float32)}
 
     def embed(self, weight, token_ids: jax.Array) -> jax.Array:
         if isinstance(weight, GroupedPanels):
@@ -207,8 +186,6 @@ class Int8PanelProducts(PanelProducts):
     token, sums exactly and scales back: the products equal QuantizedProducts' XLA int8 dots to the bit. The
     embedding and LM head as PanelProducts holds them; the gated form where PanelProducts takes it."""
 
-    layer_kernel = int8_matmul.KERNEL
-
     def layer_panels(self, matrix, gated: bool) -> QuantizedMatrix:
         quantized = matrix if isinstance(matrix, QuantizedMatrix) else quantize(matrix, "int8")
         return QuantizedMatrix(*int8_matmul.pack(quantized.values, quantized.scale, gated=gated))
@@ -259,7 +236,7 @@ def choose_products(
             # the kernel quantises activations per token: a checkpoint's static input scales take XLA's dots
             and not any(isinstance(m, QuantizedMatrix) and m.input_scale is not None for m in matrices)
         ):
-            return _building(Int8PanelProducts.for_params(params, activation), params)
+            return Int8PanelProducts.for_params(params, activation)
         return QuantizedProducts(scheme=quantization)
     grouped = [matrix for matrix in matrices if is_grouped(matrix)]
     if layout == "auto":
@@ -268,18 +245,12 @@ def choose_products(
             "panels" if on_cpu and cpu_matmul.supports(params_dtype(params)) and kernel_reads else "stacked"
         )
     if layout == "panels":
-        return _building(PanelProducts.for_params(params, activation), params)
+        return PanelProducts.for_params(params, activation)
     if layout == "stacked":
         if grouped:
             return KERNEL_GROUPED if jax.default_backend() == "gpu" else GROUPED
         return STACKED
     raise ValueError(f"layout must be 'auto', 'stacked' or 'panels', got {layout!r}")
-
-
-def _building(products: PanelProducts, params: dict) -> PanelProducts:
-    """`products`, their kernels' builds started: they build while the weights are laid out and placed."""
-    cpu_kernels.build_in_background(*products.cpu_kernels(params))
-    return products
 
 
 def tensor_parallel_products(
@@ -309,17 +280,12 @@ def _checkpoint_scheme(matrices: list) -> str | None:
 def held_weight_bytes(params: dict, activation: str, quantization: str | None) -> dict[str, int]:
     """Bytes of the weights as the runner will hold them (the layout `choose_products` picks: panels, quantized
     matrices), by dtype; computed abstractly, nothing is laid out."""
-    abstract = _abstract(params)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     products = choose_products(abstract, activation=activation, quantization=quantization)
     held: dict[str, int] = {}
     for leaf in jax.tree_util.tree_leaves(jax.eval_shape(products.layout, abstract)):
         held[str(leaf.dtype)] = held.get(str(leaf.dtype), 0) + leaf.size * leaf.dtype.itemsize
     return held
-
-
-def _abstract(params: dict) -> dict:
-    """Params (arrays, lazy weights) as their shapes and dtypes."""
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
 
 
 def cpu_auto_dtype() -> np.dtype:

@@ -6,9 +6,10 @@ Each is compiled with the machine's C++ compiler (`CXX`, default `g++`) against 
 this CPU (`-march=native`), into ~/.cache/jpaged/kernels (`JPAGED_KERNEL_CACHE` to move it). Built apart, a model
 waits only for the kernels it multiplies with (the embedded default model for none of the dense, int8 and expert
 ones, and for two of the grouped kernel's eighteen forms), and they build on cores of their own: an engine starts
-the attention's first thing (`build_in_background`), its products' once it has chosen them, and loads its weights
-meanwhile. Where the compiler cannot build `COMMON`, the small library every model needs first, `compiles()` is False (a warning says
-why) and callers fall back to XLA.
+the attention's first thing (`build_in_background`) and loads its weights meanwhile; a product's kernel starts
+building when a program first calls it (`require`), which compiles meanwhile. Where the compiler cannot build
+`COMMON`, the small library every model needs first, `compiles()` is False (a warning says why) and callers fall
+back to XLA.
 """
 
 from __future__ import annotations
