@@ -28,20 +28,18 @@ from jpaged.pallas.common import (
 )
 from jpaged.pallas.cpu import huge_pages, library
 
-_C_TYPES = {"float32": "float", "bfloat16": "uint16_t"}  # q's (bfloat16 as its 16 bits)
-
 
 @functools.cache
 def kernel(q_dtype, fp8_pages: bool = False) -> library.Kernel:
     """The form of the kernel for queries of `q_dtype` over pages of that dtype, or of float8_e4m3fn bytes."""
     name = jnp.dtype(q_dtype).name
-    if name not in _C_TYPES:
+    if jnp.dtype(q_dtype) not in library.SUPPORTED_DTYPES:
         raise ValueError(f"the CPU attention kernel takes float32 or bfloat16 queries, not {name}")
     pages = "float8_e4m3fn" if fp8_pages else name
     return library.Kernel(
         "paged_attention.cc",
         {f"jpaged_paged_attention_{name}_{pages}": "JpagedPagedAttention"},
-        (f"-DJPAGED_ATTENTION_Q={_C_TYPES[name]}", f"-DJPAGED_ATTENTION_FP8={int(fp8_pages)}"),
+        (f"-DJPAGED_ATTENTION_Q={library.C_TYPES[name]}", f"-DJPAGED_ATTENTION_FP8={int(fp8_pages)}"),
     )
 
 

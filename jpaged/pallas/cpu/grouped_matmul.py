@@ -24,14 +24,6 @@ from jpaged.pallas.cpu.matmul import pack as pack_panels
 from jpaged.rounding import cdiv
 
 CODE_BITS = (4, 8)
-# The C type grouped_matmul.cc's form takes for each dtype (bfloat16 as its 16 bits).
-_C_TYPES = {
-    "uint8": "uint8_t",
-    "int8": "int8_t",
-    "float16": "_Float16",
-    "float32": "float",
-    "bfloat16": "uint16_t",
-}
 
 
 @functools.cache
@@ -42,7 +34,7 @@ def kernel(bits: int, codes_dtype, scale_dtype, x_dtype, out_dtype=None) -> libr
     if (
         bits not in CODE_BITS
         or (bits == 4 and names[0] != "uint8")
-        or any(name not in _C_TYPES for name in names)
+        or any(name not in library.C_TYPES for name in names)
         or names[3] not in (names[2], "float32")
     ):
         raise ValueError(f"the grouped kernel has no form for {bits}-bit codes, scale, x, out of {names}")
@@ -56,7 +48,7 @@ def kernel(bits: int, codes_dtype, scale_dtype, x_dtype, out_dtype=None) -> libr
         (
             f"-DJPAGED_GROUPED_BITS={bits}",
             *(
-                f"-DJPAGED_GROUPED_{part}={_C_TYPES[name]}"
+                f"-DJPAGED_GROUPED_{part}={library.C_TYPES[name]}"
                 for part, name in zip(("CODE", "SCALE", "X", "OUT"), names, strict=True)
             ),
         ),

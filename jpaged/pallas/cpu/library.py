@@ -60,6 +60,14 @@ UNINITIALIZED = "jpaged_uninitialized"
 COMMON = Kernel("common.cc", {UNINITIALIZED: "JpagedUninitialized"})
 # What the kernels compute on (kernel.h converts bfloat16 to and from float32; float16 is not handled).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# The C type a kernel's form is built with for each dtype (bfloat16 as its 16 bits; float16 scales as _Float16).
+C_TYPES = {
+    "uint8": "uint8_t",
+    "int8": "int8_t",
+    "float16": "_Float16",
+    "float32": "float",
+    "bfloat16": "uint16_t",
+}
 # -ffast-math's parts, not the flag itself: linking a library with -ffast-math (or -funsafe-math-optimizations) adds
 # crtfastmath.o, whose constructor turns on flush-to-zero for the process that loads it, so no Python code in the
 # server could represent a subnormal float again (hypothesis refuses to generate floats then).
