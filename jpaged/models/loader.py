@@ -145,7 +145,7 @@ def load_model(
         if converted is None:
             fields = read_gguf_fields(source.path)
             config = gguf_model_config(fields)
-            reader = gguf_reader(fields, config, keep_blocks=keep_blocks)
+            reader = gguf_reader(source.path, fields, config, keep_blocks=keep_blocks)
             params = params_from_hf_names(config, reader, np.float32, progress=progress)
             tokenizer = gguf_tokenizer(fields)
             store_converted(source.path, config, params, tokenizer, blocks=keep_blocks)

@@ -95,13 +95,13 @@ def safetensors_slicer(model_dir: Path) -> Callable[[str], Any]:
     return get
 
 
-def gguf_reader(fields: dict, config: ModelConfig, *, keep_blocks: bool = False) -> GetTensor:
+def gguf_reader(path: Path, fields: dict, config: ModelConfig, *, keep_blocks: bool = False) -> GetTensor:
     """Dequantised GGUF tensors under transformers' names, as llama.cpp's converter wrote them undone: its Q/K row
     permutation (llama) and its norm weights stored as (norm_offset + w) (Gemma). gguf's own tensor-name map for the
     file's architecture names each transformers tensor, so a family's checkpoint names (Gemma's
     `pre_feedforward_layernorm`, Phi-3's fused `qkv_proj`) find their GGUF tensors without a table here.
     `keep_blocks`: matrices of a block type the kernels read come as GroupedMatrix (gguf_blocks.py). Reads the
-    tensors of the `fields` read_gguf_fields gave (the file is parsed once: its metadata takes seconds)."""
+    tensors of the `fields` read_gguf_fields gave for `path` (the file is parsed once: its metadata takes seconds)."""
     from gguf.quants import dequantize
 
     tensors = fields["_tensors"]
@@ -111,7 +111,7 @@ def gguf_reader(fields: dict, config: ModelConfig, *, keep_blocks: bool = False)
     def get(name: str) -> np.ndarray:
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name not in tensors:
-            raise ValueError(f"weight {name!r} ({gguf_name or 'no GGUF name'}) missing from the GGUF file")
+            raise ValueError(f"weight {name!r} ({gguf_name or 'no GGUF name'}) missing from {path}")
         tensor = tensors.stored(gguf_name)
         array = grouped_tensor(tensor) if keep_blocks else None
         if array is None:
