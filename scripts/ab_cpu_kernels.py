@@ -2,7 +2,7 @@
 
 Between processes this shared 2-core machine's timings move by 10-50%; two builds of the same code timed in turns
 in one process came within ~5% of each other with the default 11 repeats (more with fewer). Each source is
-compiled alone (with the current kernel.h) and registered under a target of its own; a source may be a file
+compiled alone and registered under a target of its own; a source may be a file
 or REV:PATH from git.
 
   attention: the decode attention of every layer (SmolLM2: 30 layers, 9 query / 3 KV heads, head dim 64, blocks
@@ -17,6 +17,10 @@ or REV:PATH from git.
   python scripts/ab_cpu_kernels.py attention A.cc B.cc --dtype bfloat16 --kv-dtype float8_e4m3fn  # fp8 pages
   python scripts/ab_cpu_kernels.py matmul c77f7a1~1:jpaged/pallas/cpu_matmul.cc jpaged/pallas/cpu/matmul.cc
   python scripts/ab_cpu_kernels.py matmul A.cc B.cc --march x86-64-v3     # the AVX2 paths, on an AVX-512 CPU
+  python scripts/ab_cpu_kernels.py matmul 80e4529:jpaged/pallas/cpu/matmul.cc jpaged/pallas/cpu/matmul.cc \\
+      --dtype bfloat16 --layout plain,kernel          # a revision before bfloat16 panels were stored paired
+
+A REV:PATH source is built beside its revision's headers (panels.h, kernel.h); a path, with this checkout's.
 """
 
 from __future__ import annotations
@@ -52,8 +56,23 @@ def build(
 ) -> str:
     """Compiles `source` (a path or REV:PATH) and registers it as FFI target `ab<index>`."""
     if ":" in source and not Path(source).exists():
+        rev, file = source.split(":", 1)
+        folder = workdir / f"variant{index}"
+        folder.mkdir()
+        path = folder / Path(file).name
+        # the source beside its revision's headers (panels.h, kernel.h...), which its quoted includes find first
+        listed = subprocess.run(
+            ["git", "ls-tree", "--name-only", rev, f"{Path(file).parent}/"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for header in (name for name in listed if name.endswith(".h")):
+            shown = subprocess.run(
+                ["git", "show", f"{rev}:{header}"], capture_output=True, text=True, check=True
+            )
+            (folder / Path(header).name).write_text(shown.stdout)
         text = subprocess.run(["git", "show", source], capture_output=True, text=True, check=True).stdout
-        path = workdir / f"variant{index}.cc"
         path.write_text(text.replace('"cpu_kernel.h"', '"kernel.h"'))  # the header's name before pallas/cpu/
     else:
         path = Path(source)
@@ -109,14 +128,18 @@ def attention_runs(targets, args, rng):
 
 
 def matmul_runs(targets, args, rng):
-    """Per row count, one jitted chain per target through every layer's four products."""
+    """Per row count, one jitted chain per target through every layer's four products, each reading the panels
+    as --layout says (`kernel`: as this checkout's kernel_panels lays them out; `plain`: never paired)."""
     dtype = jnp.dtype(args.dtype)
-    stacks = [
-        cpu_matmul.pack(jnp.asarray(rng.standard_normal((NUM_LAYERS, k, n)) / np.sqrt(k), dtype))
-        for k, n in MATMUL_SHAPES
+    weights = [
+        jnp.asarray(rng.standard_normal((NUM_LAYERS, k, n)) / np.sqrt(k), dtype) for k, n in MATMUL_SHAPES
     ]
+    layouts = {
+        "kernel": [cpu_matmul.kernel_panels(w) for w in weights],
+        "plain": [cpu_matmul.pack(w) for w in weights],
+    }
 
-    def make(target, x):
+    def make(target, x, stacks):
         def product(h, panels, n, i):
             call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((h.shape[0], n), h.dtype))
             return call(h, panels, i.reshape(1), jnp.array([h.shape[0]], jnp.int32))
@@ -135,7 +158,10 @@ def matmul_runs(targets, args, rng):
     runs = []
     for rows in map(int, args.rows.split(",")):
         x = jnp.asarray(rng.standard_normal((rows, MATMUL_SHAPES[0][0])), dtype)
-        runs.append((f"{rows} rows, {args.dtype}", [make(t, x) for t in targets]))
+        pair = [
+            make(t, x, layouts[layout]) for t, layout in zip(targets, args.layout.split(","), strict=True)
+        ]
+        runs.append((f"{rows} rows, {args.dtype}", pair))
     return runs
 
 
@@ -163,6 +189,11 @@ def main() -> None:
         help="attention: blocks in the pool the pages are drawn from (default: just the ones needed)",
     )
     parser.add_argument("--rows", default="6,24,64,512", help="matmul: row counts")
+    parser.add_argument(
+        "--layout",
+        default="kernel,kernel",
+        help="matmul: A's and B's panels, `kernel` (as kernel_panels lays them out here) or `plain` (never paired)",
+    )
     parser.add_argument(
         "--march", default="native", help="the CPU level both are built for (x86-64-v3: the AVX2 paths)"
     )

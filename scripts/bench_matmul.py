@@ -67,9 +67,9 @@ def gated_table(weights: list, rows_list: list[int], dtype, repeats: int, rng) -
     unfused = mlp(lambda x, w, i: act_and_mul(cpu_matmul.matmul(x, w, width, layer=i), (half, half), 1))
     gated = mlp(lambda x, w, i: cpu_matmul.gated_matmul(x, w, half, layer=i))
     panels, gated_panels, down_panels = (
-        cpu_matmul.pack(gate_up),
-        cpu_matmul.pack_gated(gate_up),
-        cpu_matmul.pack(down),
+        cpu_matmul.kernel_panels(gate_up),
+        cpu_matmul.kernel_panels(gate_up, gated=True),
+        cpu_matmul.kernel_panels(down),
     )
     print(f"\n{NUM_LAYERS} layers' MLP (gate_up {k}x{width}, activation, down), in turn; median of {repeats}")
     print("| rows | product + XLA activation ms | gated form ms | speed-up | max abs diff |")
@@ -107,7 +107,7 @@ def main() -> None:
         for _ in range(NUM_LAYERS)
     ]
     transposed = [[w.T.copy() for w in layer] for layer in weights]  # [out, in]
-    panels = [[cpu_matmul.pack(w) for w in layer] for layer in weights]
+    panels = [[cpu_matmul.kernel_panels(w) for w in layer] for layer in weights]
     xla = chain(lambda x, w, n: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))
     kernel = chain(lambda x, w, n: cpu_matmul.matmul(x, w, n))
     flops_per_row = 2 * NUM_LAYERS * sum(k * n for k, n in SHAPES)

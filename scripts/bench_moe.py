@@ -108,7 +108,7 @@ def block_ms(config: ModelConfig, dtype, seqs: list[int], repeats: int) -> dict[
         expert_widths=(gate_up.shape[-1], down.shape[-1]),
         experts_gated_form=True,
     )
-    panels = cpu_matmul.pack_gated(gate_up), cpu_matmul.pack(down)  # [1, E, P, K, 16]
+    panels = cpu_matmul.kernel_panels(gate_up, gated=True), cpu_matmul.kernel_panels(down)  # [1, E, P, K, 16]
     stacked = (gate_up[0], down[0])
     ways = {  # (the block, its expert matrices: arguments, not constants folded into the program)
         "C++ experts kernel": (

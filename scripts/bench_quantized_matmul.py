@@ -43,7 +43,7 @@ def forms(rng, k: int, n: int, layers: int, head: bool) -> dict:
     )
     quantized = quantize(w, "int8")
     return {
-        "bfloat16": (cpu_matmul.matmul, cpu_matmul.pack(jnp.asarray(w, jnp.bfloat16))),
+        "bfloat16": (cpu_matmul.matmul, cpu_matmul.kernel_panels(jnp.asarray(w, jnp.bfloat16))),
         "Q8_0 blocks" if head else "Q4_1 blocks": (grouped_matmul.matmul, grouped),
         "int8 W8A8": (int8_matmul.matmul, int8_matmul.pack(quantized.values, quantized.scale)),
     }

@@ -49,7 +49,10 @@ inline void Configure(const Config& config) {
   std::memset(registers.data, 0, sizeof registers.data);
 }
 
-inline void Release() { Thread().configured = false; }
+inline void Loaded(Config* config) {
+  if (Thread().configured) *config = Thread().config;
+  else std::memset(config, 0, sizeof *config);
+}
 
 // A configured tile's registers (rows, bytes a row), faulting on one that is not.
 inline Registers& Tile(int t) {

@@ -50,12 +50,14 @@ def test_each_run_of_rows_takes_its_experts_matrix_from_one_layer_of_the_stack(d
     w = jnp.asarray(rng.standard_normal((num_layers, num_experts, k, 2 * n)) * 0.3, dtype)
     group_sizes = jnp.asarray(sizes, jnp.int32)
 
-    got = expert_matmul.matmul(x, cpu_matmul.pack(w), group_sizes, 2 * n, layer=jnp.int32(1))
+    got = expert_matmul.matmul(x, cpu_matmul.kernel_panels(w), group_sizes, 2 * n, layer=jnp.int32(1))
     expected = oracle(x, w[1], sizes, gated=False)
     assert relative_error(got, expected) < TOLERANCE[dtype] or not expected.any()
     assert not np.asarray(got)[sum(sizes) :].any()
     if n % cpu_matmul.PANEL == 0:  # the gated form's panels pair gate and up 16 columns at a time
-        gated = expert_matmul.gated_matmul(x, cpu_matmul.pack_gated(w), group_sizes, n, layer=2)
+        gated = expert_matmul.gated_matmul(
+            x, cpu_matmul.kernel_panels(w, gated=True), group_sizes, n, layer=2
+        )
         expected = oracle(x, w[2], sizes, gated=True)
         assert relative_error(gated, expected) < TOLERANCE[dtype] or not expected.any()
         assert not np.asarray(gated)[sum(sizes) :].any()

@@ -53,7 +53,7 @@ def test_live_rows_match_float64_numpy_and_the_rest_are_zero(m, k, n, dtype, out
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     layer, rows = int(rng.integers(0, 3)), int(rng.integers(1, m + 1))
     out_dtype = jnp.float32 if out_float32 else None
-    got = _matmul(x, cpu_matmul.pack(w), layer, rows, n=n, out_dtype=out_dtype)
+    got = _matmul(x, cpu_matmul.kernel_panels(w), layer, rows, n=n, out_dtype=out_dtype)
     assert got.shape == (m, n) and got.dtype == (jnp.float32 if out_float32 else x.dtype)
     expected = np.asarray(x, np.float64)[:rows] @ np.asarray(w, np.float64)[layer]
     got = np.asarray(got, np.float64)
@@ -66,7 +66,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(dtype):
     """Same bits whatever the batch around a row: bucket size, live row count, neighbours (a bfloat16 panel
     is read as it is by one row block and through its float32 widening by several)."""
     rng = np.random.default_rng(7)
-    panels = cpu_matmul.pack(jnp.asarray(rng.standard_normal((1, 300, 70)), dtype))
+    panels = cpu_matmul.kernel_panels(jnp.asarray(rng.standard_normal((1, 300, 70)), dtype))
     x = jnp.asarray(rng.standard_normal((64, 300)), dtype)
     full = np.asarray(_matmul(x, panels, 0, 64, n=70).astype(jnp.float32))
     for m, rows in [(64, 11), (16, 16), (8, 5), (1, 1)]:
@@ -118,6 +118,12 @@ def runnable_build(
     return _build(name, str(tmp_path_factory.getbasetemp()), source, tuple(symbols.items()), defines)
 
 
+def _build_panels(name: str, w: jax.Array, *, gated: bool = False) -> jax.Array:
+    """w's panels as build `name` reads them: bfloat16 of an even K paired where it multiplies with vdpbf16ps."""
+    paired = "avx512_bf16" in BUILDS[name][2] and w.dtype == jnp.bfloat16 and w.shape[-2] % 2 == 0
+    return (cpu_matmul.pack_gated if gated else cpu_matmul.pack)(w, paired=paired)
+
+
 def _call(target: str, x: jax.Array, panels: jax.Array, n: int, rows: int, dtype=jnp.float32) -> np.ndarray:
     """Layer 1 of the panels' stack, as `dtype`."""
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), dtype))
@@ -135,7 +141,7 @@ def test_each_build_matches_float64_numpy(name, tmp_path_factory):
     for (m, k, n, rows), dtype in itertools.product(shapes, TOLERANCE):
         w = jnp.asarray(rng.standard_normal((2, k, n)), dtype)
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        got = _call(target, x, cpu_matmul.pack(w), n, rows)
+        got = _call(target, x, _build_panels(name, w), n, rows)
         expected = np.asarray(x, np.float64)[:rows] @ np.asarray(w, np.float64)[1]
         assert _relative_error(got[:rows], expected) <= TOLERANCE[dtype], (m, k, n, dtype)
         assert not got[rows:].any()
@@ -145,7 +151,8 @@ def test_each_build_matches_float64_numpy(name, tmp_path_factory):
     ):
         w = jnp.asarray(rng.standard_normal((2, k, 2 * f)) / np.sqrt(k), dtype)
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        got = np.asarray(_call(f"{target}_gated", x, cpu_matmul.pack_gated(w), f, rows, x.dtype), np.float64)
+        got = _call(f"{target}_gated", x, _build_panels(name, w, gated=True), f, rows, x.dtype)
+        got = np.asarray(got, np.float64)
         expected = _silu_and_mul_float64(x[:rows], w[1])
         assert _relative_error(got[:rows], expected) <= 3 * TOLERANCE[dtype], ("gated", m, k, f, dtype)
         assert not got[rows:].any()
@@ -160,7 +167,7 @@ def test_the_amx_tiles_take_bfloat16_products_whatever_the_rows(tmp_path_factory
     assert arithmetic.JpagedBfloat16Arithmetic() == b"amx_bf16"
     handle.JpagedAmxModelDots.restype = ctypes.c_int64
     rng = np.random.default_rng(5)
-    panels = cpu_matmul.pack(jnp.asarray(rng.standard_normal((2, 128, 40)), jnp.bfloat16))
+    panels = _build_panels("amx-model", jnp.asarray(rng.standard_normal((2, 128, 40)), jnp.bfloat16))
     x = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
     dots = handle.JpagedAmxModelDots()
     full = _call(target, x, panels, 40, 64)
@@ -177,7 +184,7 @@ def test_the_amx_build_multiplies_on_the_tiles(tmp_path):
     built = tmp_path / "matmul-amx.so"
     library.compile_sources([Path(cpu_matmul.__file__).with_name("matmul.cc")], built, march="sapphirerapids")
     code = subprocess.run(["objdump", "-d", str(built)], capture_output=True, text=True, check=True).stdout
-    assert {"ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"} <= set(code.split())
+    assert {"sttilecfg", "ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored"} <= set(code.split())
 
 
 @jax.jit(static_argnames=("n",))
@@ -198,7 +205,7 @@ def test_the_gated_form_gives_silu_of_gate_times_up_in_float64_numpy(m, k, f, dt
     w = jnp.asarray(rng.standard_normal((3, k, 2 * f)) / np.sqrt(k), dtype)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     layer, rows = int(rng.integers(0, 3)), int(rng.integers(1, m + 1))
-    got = _gated(x, cpu_matmul.pack_gated(w), layer, rows, n=f)
+    got = _gated(x, cpu_matmul.kernel_panels(w, gated=True), layer, rows, n=f)
     assert got.shape == (m, f) and got.dtype == x.dtype
     expected = _silu_and_mul_float64(x[:rows], w[layer])
     got = np.asarray(got, np.float64)
@@ -213,9 +220,9 @@ def test_the_gated_form_gives_the_unfused_products_bits_in_bfloat16():
     rng = np.random.default_rng(9)
     w = jnp.asarray(rng.standard_normal((1, 576, 2 * 1536)) / 24, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((64, 576)), jnp.bfloat16)
-    unfused = act_and_mul(_matmul(x, cpu_matmul.pack(w), 0, 50, n=2 * 1536), (1536, 1536), 1)
+    unfused = act_and_mul(_matmul(x, cpu_matmul.kernel_panels(w), 0, 50, n=2 * 1536), (1536, 1536), 1)
     np.testing.assert_array_equal(
-        np.asarray(_gated(x, cpu_matmul.pack_gated(w), 0, 50, n=1536), np.float32),
+        np.asarray(_gated(x, cpu_matmul.kernel_panels(w, gated=True), 0, 50, n=1536), np.float32),
         np.asarray(unfused, np.float32),
     )
 
@@ -237,6 +244,33 @@ def test_packing_keeps_every_column_and_pads_with_zeros():
     ids = jnp.asarray([0, 15, 16, 36, 7], jnp.int32)
     np.testing.assert_array_equal(cpu_matmul.columns(panels[1], ids), w[1][:, ids].T)
     assert not np.asarray(panels)[:, 2, :, 5:].any()
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_paired_panels_interleave_rows_k_and_k_plus_one_of_each_column(host):
+    w = np.random.default_rng(4).standard_normal((2, 6, 70)).astype(np.float32)
+    w = w if host else jnp.asarray(w)
+    plain, paired = cpu_matmul.pack(w), cpu_matmul.pack(w, paired=True)
+    assert paired.shape == plain.shape == (2, 5, 6, 16)
+    # [.., P, K, 16] in memory as [.., P, K / 2, 16, 2]: column c's rows 2i and 2i + 1 side by side
+    as_pairs = np.asarray(paired).reshape(2, 5, 3, 16, 2)
+    np.testing.assert_array_equal(as_pairs, np.asarray(plain).reshape(2, 5, 3, 2, 16).swapaxes(-1, -2))
+    gated, gated_paired = cpu_matmul.pack_gated(w[..., :64]), cpu_matmul.pack_gated(w[..., :64], paired=True)
+    np.testing.assert_array_equal(
+        np.asarray(gated_paired).reshape(2, 4, 3, 16, 2),
+        np.asarray(gated).reshape(2, 4, 3, 2, 16).swapaxes(-1, -2),
+    )
+
+
+def test_the_kernels_panels_give_back_a_tied_embeddings_rows():
+    """`columns` reads rows of the embedding from the LM head's panels as the kernel built here lays them out
+    (bfloat16 paired where it multiplies with vdpbf16ps or the tiles)."""
+    w = jnp.asarray(np.random.default_rng(6).standard_normal((64, 40)), jnp.bfloat16)
+    panels = cpu_matmul.kernel_panels(w)
+    paired = library.cpu_flags() >= {"avx512_bf16"} and library.compiles()
+    assert cpu_matmul.pairs(w.dtype, 64) == paired
+    ids = jnp.asarray([[0, 39], [17, 16]], jnp.int32)
+    np.testing.assert_array_equal(cpu_matmul.columns(panels, ids), jnp.moveaxis(w[:, ids], 0, -1))
 
 
 @pytest.mark.parametrize(

@@ -46,8 +46,12 @@ class PanelLoRA:
             stack = stacks[name]
             padded = self._padded(pair["a"].shape[-1])
             extra = padded - pair["a"].shape[-1]
-            a = cpu_matmul.pack(jnp.pad(pair["a"], ((0, 0), (0, 0), (0, extra))).astype(stack["a"].dtype))
-            b = cpu_matmul.pack(jnp.pad(pair["b"], ((0, 0), (0, extra), (0, 0))).astype(stack["b"].dtype))
+            a = cpu_matmul.kernel_panels(
+                jnp.pad(pair["a"], ((0, 0), (0, 0), (0, extra))).astype(stack["a"].dtype)
+            )
+            b = cpu_matmul.kernel_panels(
+                jnp.pad(pair["b"], ((0, 0), (0, extra), (0, 0))).astype(stack["b"].dtype)
+            )
             written[name] = {
                 "a": jax.lax.dynamic_update_slice(stack["a"], a, (0, row * (padded // PANEL), 0, 0)),
                 "b": jax.lax.dynamic_update_slice(stack["b"], b, (0, 0, row * padded, 0)),

@@ -205,7 +205,7 @@ def _panels(matrix, gated: bool = False):
     """A matrix [K, N] as its kernel's panels: GroupedPanels of a GroupedMatrix, else the dense kernel's."""
     if is_grouped(matrix):
         return GroupedPanels.of(matrix, gated)
-    return (cpu_matmul.pack_gated if gated else cpu_matmul.pack)(matrix)
+    return cpu_matmul.kernel_panels(matrix, gated=gated)
 
 
 def _at(tree: dict, path) -> dict:

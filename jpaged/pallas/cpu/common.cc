@@ -1,7 +1,7 @@
 // What every model on the CPU kernels needs, built first (in a second or two), so it is also the probe that the
 // machine's compiler builds the kernels at all (library.py): the bfloat16 instructions the products multiply with,
-// for the engine's choice of dtype, an array nothing writes, for the KV pool, and the deferred handlers the other
-// kernels' FFI targets are registered to while they build.
+// for the engine's choice of dtype, and the panels' layout they read, an array nothing writes, for the KV pool, and
+// the deferred handlers the other kernels' FFI targets are registered to while they build.
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -11,6 +11,8 @@
 #include "panels.h"
 
 extern "C" const char* JpagedBfloat16Arithmetic() { return Bfloat16Arithmetic(); }
+// Whether the products read bfloat16 panels paired (matmul.py lays them out by it).
+extern "C" bool JpagedPairsBfloat16Panels() { return kStoresPaired<uint16_t>; }
 
 // An array XLA allocates and nothing writes: the attention kernel never reads a KV slot no sequence owns, so its pool
 // needs no zero-fill, and the OS maps pages in as blocks are first written.

@@ -21,8 +21,8 @@ void RunGroups(ffi::ThreadPool& pool, const T* x, const T* panels, const int32_t
     auto item_panels = [&](int item, int = 0) {
       return expert + static_cast<int64_t>(item) * kPanelsPerItem * K * kPanel;
     };
-    RunItems<kGated>(pool, x + static_cast<int64_t>(offset) * K, out + static_cast<int64_t>(offset) * N, rows, rows,
-                     K, N, item_panels, item_panels);
+    RunStoredItems<kGated>(pool, x + static_cast<int64_t>(offset) * K, out + static_cast<int64_t>(offset) * N, rows,
+                           rows, K, N, item_panels, item_panels);
     offset += rows;
   }
   std::memset(out + static_cast<int64_t>(offset) * N, 0, sizeof(Out) * static_cast<int64_t>(M - offset) * N);

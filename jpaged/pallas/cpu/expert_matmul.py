@@ -1,7 +1,7 @@
 """A mixture of experts' products on the CPU through a C++ kernel (expert_matmul.cc), called as an XLA FFI custom
 call: the rows of x sorted by expert (models/experts.py), `group_sizes[e]` of them expert e's, each run times its
-expert's matrix. The experts' stacks [L, E, K, N] pack as the dense kernel's panels (matmul.py's `pack`, or
-`pack_gated` for gate|up) with the experts axis kept, [L, E, P, K, 16], and the kernel reads layer `layer`'s experts
+expert's matrix. The experts' stacks [L, E, K, N] pack as the dense kernel's panels (matmul.py's `kernel_panels`,
+gated for gate|up) with the experts axis kept, [L, E, P, K, 16], and the kernel reads layer `layer`'s experts
 in place: each expert's panels stream from memory once for its rows, an expert no row takes is not read at all
 (XLA's CPU ragged_dot computes every expert on every row, scripts/bench_moe.py). A row's result depends only on
 its expert, in the summation order of the dense kernel."""
@@ -33,7 +33,7 @@ def matmul(
 def gated_matmul(
     x: jax.Array, panels: jax.Array, group_sizes: jax.Array, n: int, *, layer: jax.Array | int
 ) -> jax.Array:
-    """silu(x @ gate) * (x @ up) [M, n] of each expert's run, from `pack_gated` panels of its gate|up [K, 2n]."""
+    """silu(x @ gate) * (x @ up) [M, n] of each expert's run, from the gated form's `kernel_panels` of its gate|up [K, 2n]."""
     if n % PANEL:
         raise ValueError(f"the gated form needs n a multiple of {PANEL}, got {n}")
     return _call(_GATED_TARGET, x, panels, group_sizes, n, 2 * n // PANEL, layer)

@@ -305,3 +305,14 @@ def bfloat16_arithmetic() -> str | None:
     query = library.JpagedBfloat16Arithmetic
     query.restype = ctypes.c_char_p
     return query().decode() or None
+
+
+def pairs_bfloat16_panels() -> bool:
+    """Whether the matmul kernels built here read bfloat16 panels paired (AVX-512-BF16 and AMX builds: rows k and
+    k + 1 of a column side by side, as vdpbf16ps and the tiles take them); False where the kernels cannot be built."""
+    library = load(COMMON)
+    if library is None:
+        return False
+    query = library.JpagedPairsBfloat16Panels
+    query.restype = ctypes.c_bool
+    return bool(query())

@@ -12,7 +12,7 @@ void Run(ffi::ThreadPool& pool, const T* x, const T* panels, Out* out, int M, in
   auto item_panels = [&](int item, int = 0) {
     return panels + static_cast<int64_t>(item) * kPanelsPerItem * K * kPanel;
   };
-  RunItems<kGated>(pool, x, out, M, rows, K, N, item_panels, item_panels);
+  RunStoredItems<kGated>(pool, x, out, M, rows, K, N, item_panels, item_panels);
 }
 
 template <bool kGated>

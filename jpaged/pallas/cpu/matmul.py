@@ -2,9 +2,11 @@
 
 A weight matrix w [K, N] ([in, out]) is stored as panels of 16 columns, `pack(w)` [P, K, 16] (P = ceil(N / 16),
 the last panel zero-padded), each panel contiguous, so a step streams it from memory once while a block of results
-(8 rows x 32 columns with AVX-512, 6 x 16 with AVX2, 32 x 32 in AMX tiles for bfloat16) sits in registers. A
-layer's stack [L, K, N] packs to [L, P, K, 16] and the kernel reads layer `layer` in place. Only the first `rows` rows of x are computed (the rest of
-the output is zero): a decode step of 6 sequences padded to 16 tokens does 6 rows of work.
+(8 rows x 32 columns with AVX-512, 6 x 16 with AVX2, 32 x 32 in AMX tiles for bfloat16) sits in registers. Where
+the kernel multiplies bfloat16 with vdpbf16ps or the AMX tiles, a panel's rows k and k + 1 are stored interleaved,
+as those instructions take them (`pairs`, `kernel_panels`). A layer's stack [L, K, N] packs to [L, P, K, 16] and
+the kernel reads layer `layer` in place. Only the first `rows` rows of x are computed (the rest of the output is
+zero): a decode step of 6 sequences padded to 16 tokens does 6 rows of work.
 
 An MLP's gate and up matrices, [K, 2F] side by side, pack for the gated form (`pack_gated`: gate and up panels
 alternating), whose product `gated_matmul` is silu(x @ gate) * (x @ up) [M, F]: the activation computed on the sums
@@ -56,13 +58,25 @@ def on_host_or_jitted(*static_argnames: str):
     return wrap
 
 
-@on_host_or_jitted()
-def pack(xp, w: jax.Array) -> jax.Array:
-    """w [..., K, N] -> panels [..., ceil(N / 16), K, 16]."""
-    n = w.shape[-1]
+def pairs(dtype, k: int) -> bool:
+    """Whether the kernel built here reads panels of `dtype` and K `k` paired: bfloat16 of an even K where it
+    multiplies with vdpbf16ps or the AMX tiles, which take rows k and k + 1 of a column side by side (laid out so
+    once, at load, rather than paired again by every product)."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and k % 2 == 0 and library.pairs_bfloat16_panels()
+
+
+@on_host_or_jitted("paired")
+def pack(xp, w: jax.Array, paired: bool = False) -> jax.Array:
+    """w [..., K, N] -> panels [..., ceil(N / 16), K, 16]; `paired` (K even) with each panel's rows k and k + 1
+    interleaved, [K / 2, 16, 2] in memory."""
+    *lead, k, n = w.shape
     if n % PANEL:  # numpy's pad copies even where it adds nothing
         w = xp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, -n % PANEL)])
-    return xp.swapaxes(w.reshape(*w.shape[:-1], -1, PANEL), -2, -3)
+    if not paired:
+        return xp.swapaxes(w.reshape(*w.shape[:-1], -1, PANEL), -2, -3)
+    split = w.reshape(*lead, k // 2, 2, -1, PANEL)  # [.., pair, its row, panel, column]
+    order = (*range(len(lead)), len(lead) + 2, len(lead), len(lead) + 3, len(lead) + 1)
+    return xp.transpose(split, order).reshape(*lead, -1, k, PANEL)  # one copy
 
 
 def gated_packs(width: int) -> bool:
@@ -70,22 +84,38 @@ def gated_packs(width: int) -> bool:
     return width % (2 * PANEL) == 0
 
 
-@on_host_or_jitted()
-def pack_gated(xp, w: jax.Array) -> jax.Array:
-    """gate|up w [..., K, 2F] -> panels [..., 2F / 16, K, 16] in the order gate 0, up 0, gate 1, up 1, ..."""
+@on_host_or_jitted("paired")
+def pack_gated(xp, w: jax.Array, paired: bool = False) -> jax.Array:
+    """gate|up w [..., K, 2F] -> panels [..., 2F / 16, K, 16] in the order gate 0, up 0, gate 1, up 1, ...;
+    `paired` as `pack`."""
     if not gated_packs(w.shape[-1]):
         raise ValueError(
             f"the gated form needs gate and up widths that are multiples of {PANEL}, got {w.shape}"
         )
     *lead, k, width = w.shape
-    halves = w.reshape(*lead, k, 2, width // (2 * PANEL), PANEL)  # [.., k, gate or up, its panel, column]
-    order = (*range(len(lead)), len(lead) + 2, len(lead) + 1, len(lead), len(lead) + 3)
+    d = len(lead)
+    if not paired:
+        halves = w.reshape(*lead, k, 2, width // (2 * PANEL), PANEL)  # [.., k, gate or up, its panel, column]
+        order = (*range(d), d + 2, d + 1, d, d + 3)
+    else:  # [.., pair, its row, gate or up, its panel, column]
+        halves = w.reshape(*lead, k // 2, 2, 2, width // (2 * PANEL), PANEL)
+        order = (*range(d), d + 3, d + 2, d, d + 4, d + 1)
     return xp.transpose(halves, order).reshape(*lead, width // PANEL, k, PANEL)  # one copy
 
 
+def kernel_panels(w: jax.Array, *, gated: bool = False) -> jax.Array:
+    """w [..., K, N] as the kernel built here reads it: `pack` (or `pack_gated`), paired where it `pairs`."""
+    return (pack_gated if gated else pack)(w, paired=pairs(w.dtype, w.shape[-2]))
+
+
 def columns(panels: jax.Array, ids: jax.Array) -> jax.Array:
-    """w[:, ids].T [len(ids), K] read from w's panels [P, K, 16] (a tied embedding's rows from the LM head's)."""
-    return panels[ids // PANEL, :, ids % PANEL]
+    """w[:, ids].T [len(ids), K] read from w's `kernel_panels` [P, K, 16] (a tied embedding's rows from the LM
+    head's)."""
+    num_panels, k, _ = panels.shape
+    if not pairs(panels.dtype, k):
+        return panels[ids // PANEL, :, ids % PANEL]
+    paired = panels.reshape(num_panels, k // 2, PANEL, 2)
+    return paired[ids // PANEL, :, ids % PANEL, :].reshape(*ids.shape, k)
 
 
 def matmul(

@@ -56,7 +56,8 @@ inline bool Permitted() {
   return granted;
 }
 inline void Configure(const Config& config) { _tile_loadconfig(&config); }
-inline void Release() { _tile_release(); }
+// The configuration loaded now (all zeros where none is): STTILECFG.
+inline void Loaded(Config* config) { _tile_storeconfig(config); }
 // The instructions on tile numbers given as template arguments (GCC's _tile_* macros paste their argument's
 // spelling into the assembly, so they take only literal numbers).
 template <int T>
@@ -279,21 +280,6 @@ constexpr int kTileRows = 16, kTileK = 32;  // a tile of x: 16 rows x 32 bfloat1
 // whatever the batch.
 inline bool OnTiles(int K) { return K % kTileK == 0 && tiles::Permitted(); }
 
-// An item's `count` panels as the tiles' B operand takes them: rows k and k + 1 interleaved, 16 (k, k + 1) pairs a
-// 64-byte row (PairSteps' pairing), stored once an item into a buffer of the thread's that stays in cache while
-// every row group reads it.
-inline const uint16_t* PairedPanels(const uint16_t* panel, int K, int count) {
-  constexpr int kAhead = RowsAhead<uint16_t>();
-  thread_local std::vector<uint16_t> paired;
-  paired.resize(static_cast<size_t>(count) * K * kPanel);
-  for (int64_t k = 0; k < static_cast<int64_t>(count) * K; k += 2) {
-    __builtin_prefetch(panel + (k + kAhead) * kPanel);
-    const __m512i rows = _mm512_loadu_si512(panel + k * kPanel);
-    _mm512_storeu_si512(paired.data() + k * kPanel, _mm512_permutexvar_epi16(PairIndex(), rows));
-  }
-  return paired.data();
-}
-
 // The tile loop of an item's NP panels (one or two), for every element type: rows in groups of up to two tiles of 16;
 // tiles 0-3 hold a group's sums (C[g][p] = 2g + p), 4-5 its x (A[g]), 6-7 the panels' (B[p]); every x tile meets
 // every panel tile. Groups of fewer rows configure tiles of fewer rows, so no row past `rows` is read. Each step
@@ -312,7 +298,11 @@ void TileGroups(int rows, int K, int k_step, ATile a_tile, int64_t a_stride, BTi
   using B1 = std::integral_constant<int, 7>;
   constexpr int64_t kB = 64;  // bytes a B row
   alignas(64) Sum sums[2][NP][kTileRows][kPanel];
-  tiles::Config config;
+  // The tiles are configured only where they are shaped otherwise (LDTILECFG and TILERELEASE an item were 3-5% of a
+  // bfloat16 product: scripts/KERNELS.md), never released (Linux releases them before a core idles). What is loaded
+  // is read back, not remembered: another kernel's library may have shaped this thread's tiles since.
+  tiles::Config config, loaded;
+  tiles::Loaded(&loaded);
   for (int m = 0; m < rows; m += 2 * kTileRows) {
     const int group[2] = {std::min(kTileRows, rows - m), std::clamp(rows - m - kTileRows, 0, kTileRows)};
     if (m == 0 || group[0] != config.rows[4] || group[1] != config.rows[5]) {  // shaped for other rows
@@ -321,7 +311,7 @@ void TileGroups(int rows, int K, int k_step, ATile a_tile, int64_t a_stride, BTi
         config.rows[4 + g] = group[g], config.colsb[4 + g] = group[g] ? 64 : 0;
       }
       for (int p = 0; p < NP; ++p) config.rows[6 + p] = 16, config.colsb[6 + p] = kB;
-      tiles::Configure(config);
+      if (std::memcmp(&config, &loaded, sizeof config) != 0) tiles::Configure(config), loaded = config;
     }
     const bool two = group[1] > 0;
     tiles::Zero<0>();
@@ -350,12 +340,11 @@ void TileGroups(int rows, int K, int k_step, ATile a_tile, int64_t a_stride, BTi
     }
     finish(m, group, sums);
   }
-  tiles::Release();
 }
 
 // An item's bfloat16 product on the tiles (TileGroups, tdpbf16ps, 32 k a step): `paired_tile(p, k)` gives panel
-// p's rows [k, k + 32) as the B operand takes them (16 pairs of rows): from PairedPanels' buffer (TilePanels), or
-// dequantised as they are asked for (grouped_matmul.cc).
+// p's rows [k, k + 32) as the B operand takes them (16 pairs of rows): read in place from panels stored paired
+// (ItemPanels), or dequantised as they are asked for (grouped_matmul.cc).
 template <int NP, bool kGated, typename Out, typename PairedTile>
 void TileRows(const uint16_t* x, int rows, int K, PairedTile paired_tile, Out* out, int N, int width) {
   auto a_tile = [x, K](int m, int k) { return x + static_cast<int64_t>(m) * K + k; };
@@ -375,18 +364,12 @@ void TileRows(const uint16_t* x, int rows, int K, PairedTile paired_tile, Out* o
   TileGroups<NP, float>(rows, K, kTileK, a_tile, static_cast<int64_t>(K) * sizeof(uint16_t), paired_tile, dot, finish);
 }
 
-// The item's panels as they are stored (unpaired), on the tiles.
-template <int NP, bool kGated, typename Out>
-void TilePanels(const uint16_t* x, int rows, int K, const uint16_t* panel, Out* out, int N, int width) {
-  const uint16_t* paired = PairedPanels(panel, K, NP);
-  auto paired_tile = [paired, K](int p, int k) { return paired + (static_cast<int64_t>(p) * K + k) * kPanel; };
-  TileRows<NP, kGated>(x, rows, K, paired_tile, out, N, width);
-}
 #endif
 
 // A work item's `count` adjacent panels (one or two), the last `width` columns wide; with kGated, its two panels are
-// a gate's and an up's, `width` 16. kPaired: bfloat16 panels come paired already (kTakesPairedPanels builds), and
-// are multiplied by vdpbf16ps, not the tiles, for any number of rows.
+// a gate's and an up's, `width` 16. kPaired: bfloat16 panels come paired (kTakesPairedPanels builds; matmul.py lays
+// them out so, the grouped kernel dequantises them so), as vdpbf16ps and the tiles' B operand take them: on the
+// tiles where K fills them (OnTiles), for any number of rows, else by vdpbf16ps.
 template <bool kGated, bool kPaired = false, typename X, typename T, typename Out>
 void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out, int N, int width, const T* ahead) {
 #if defined(__AVX512BF16__)
@@ -397,11 +380,13 @@ void ItemPanels(const X* x, int rows, int K, const T* panel, int count, Out* out
 #endif
   static_assert(kPanelsPerItem == 2);
 #if defined(JPAGED_MATMUL_AMX)
-  if constexpr (std::is_same<T, uint16_t>::value && !kPaired) {
+  if constexpr (kPaired) {
     if (OnTiles(K)) {
       if (rows == 0) return;  // nothing to configure the tiles for
-      if (count == 2) return TilePanels<2, kGated>(x, rows, K, panel, out, N, width);
-      return TilePanels<1, false>(x, rows, K, panel, out, N, width);
+      const int64_t panel_elements = static_cast<int64_t>(K) * kPanel;
+      auto paired_tile = [panel, panel_elements](int p, int k) { return panel + p * panel_elements + k * kPanel; };
+      if (count == 2) return TileRows<2, kGated>(x, rows, K, paired_tile, out, N, width);
+      return TileRows<1, false>(x, rows, K, paired_tile, out, N, width);
     }
   }
 #endif
@@ -585,6 +570,19 @@ void RunItems(ffi::ThreadPool& pool, const T* x_in, Out* out, int M, int rows, i
     ItemPanels<kGated, kPaired>(x, rows, K, item_panels(item, last - first), last - first, out + column, N, width, ahead);
     return true;
   });
+}
+
+// The product of panels as matmul.py stores them (`item_panels`, `next_panels` as RunItems takes them): bfloat16
+// ones of an even K paired where this build takes pairs (kStoresPaired), any other as they are.
+template <typename T>
+constexpr bool kStoresPaired = kTakesPairedPanels && std::is_same<T, uint16_t>::value;
+template <bool kGated, typename T, typename Out, typename Items, typename NextItems>
+void RunStoredItems(ffi::ThreadPool& pool, const T* x, Out* out, int M, int rows, int K, int N, Items item_panels,
+                    NextItems next_panels) {
+  if constexpr (kStoresPaired<T>) {
+    if (K % 2 == 0) return RunItems<kGated, true>(pool, x, out, M, rows, K, N, item_panels, next_panels);
+  }
+  RunItems<kGated>(pool, x, out, M, rows, K, N, item_panels, next_panels);
 }
 
 }  // namespace
