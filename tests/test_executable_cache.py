@@ -62,7 +62,9 @@ def test_on_a_machine_of_several_devices_a_saved_single_device_step_loads_and_ru
 
 
 def test_an_engine_on_several_devices_starts_again_from_its_saved_steps(tmp_path, tiny_llama_dir):
-    """The second start is the one that loads the saved steps (the first compiles them)."""
+    """The second start is the one that loads the saved steps (the first compiles them), every one of them: the
+    CPU kernels they call are registered before they load (a fresh process registers a kernel's targets only when a
+    trace first requires it, and XLA refused the saved steps without them: "No FFI handler registered")."""
     program = (
         "import sys\n"
         "from jpaged import LLM, SamplingParams\n"
@@ -77,6 +79,7 @@ def test_an_engine_on_several_devices_starts_again_from_its_saved_steps(tmp_path
     for start in starts:
         assert start.returncode == 0, start.stderr[-2000:]
     assert starts[0].stdout == starts[1].stdout
+    assert "ignoring the saved step program" not in starts[1].stderr, starts[1].stderr[-2000:]
 
 
 def test_a_saved_executable_loads_in_a_new_cache_and_runs(tmp_path):

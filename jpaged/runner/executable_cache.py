@@ -4,8 +4,10 @@ JAX's persistent compilation cache skips XLA's compile, but every step shape is 
 which was most of a warm start (README, bench_startup.py). Here the compiled executable
 itself is serialised (jax.experimental.serialize_executable) under a key that covers what the program depends
 on: the jpaged sources (C++ kernels included), the jax and jaxlib versions, the devices, XLA_FLAGS and the jax options that change
-lowering, and the step's own inputs (every argument's shape and dtype, the model config, static arguments). An
-entry that fails to load is compiled again and replaced.
+lowering, and the step's own inputs (every argument's shape and dtype, the model config, static arguments). Beside
+the executable, the CPU kernels its trace required: their FFI targets must be registered again before it loads
+(their libraries build on first use), or XLA refuses it. An entry that fails to load is compiled again and
+replaced.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 
 import jax
 import jaxlib
+
+from jpaged.pallas.cpu import library as cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +63,18 @@ class ExecutableCache:
         path = self.directory / f"{hashlib.sha256((self._fingerprint + repr(key)).encode()).hexdigest()}.exe"
         if path.exists():
             try:
-                return _deserialize(path.read_bytes())
+                kernels, executable = pickle.loads(path.read_bytes())
+                for kernel in kernels:
+                    cpu_kernels.require(kernel)
+                return _deserialize(executable)
             except Exception as err:  # a truncated or foreign file: compile again, replace it
                 logger.warning("ignoring the saved step program %s: %s", path.name, err)
-        compiled = compile_fn()
+        with cpu_kernels.recording() as kernels:
+            compiled = compile_fn()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_bytes(_serialize(compiled))
+            partial.write_bytes(pickle.dumps((kernels, _serialize(compiled))))
             partial.replace(path)  # atomic: a concurrent reader sees the whole file or none
         except (OSError, ValueError, TypeError) as err:
             logger.warning("could not save the step program: %s", err)

@@ -14,6 +14,7 @@ back to XLA.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -24,7 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,11 +226,30 @@ def load(kernel: Kernel) -> ctypes.CDLL | None:
     return library
 
 
+_RECORDING = threading.local()  # the kernels this thread's `recording` blocks have required
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[set[Kernel]]:
+    """The kernels `require`d on this thread while the block runs: what a program traced in it calls, which a
+    saved executable needs registered again before it loads (runner/executable_cache.py)."""
+    outer = getattr(_RECORDING, "kernels", None)
+    _RECORDING.kernels = kernels = set()
+    try:
+        yield kernels
+    finally:
+        _RECORDING.kernels = outer
+        if outer is not None:
+            outer |= kernels
+
+
 def require(kernel: Kernel) -> None:
     """`kernel`'s FFI targets registered with XLA, so that programs calling them compile now; where its library is
     still to be built, they are registered to deferred handlers (common.cc) and it builds on a thread: a call waits
     for the build, and fails with a message if the build does. Raises RuntimeError where the kernels cannot be
     built at all (`compiles()`)."""
+    if getattr(_RECORDING, "kernels", None) is not None:
+        _RECORDING.kernels.add(kernel)
     if not compiles():
         raise RuntimeError(f"the CPU kernel {kernel.name} could not be built (see the warning logged)")
     with _REGISTERING:
