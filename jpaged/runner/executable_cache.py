@@ -63,10 +63,7 @@ class ExecutableCache:
         path = self.directory / f"{hashlib.sha256((self._fingerprint + repr(key)).encode()).hexdigest()}.exe"
         if path.exists():
             try:
-                kernels, executable = pickle.loads(path.read_bytes())
-                for kernel in kernels:
-                    cpu_kernels.require(kernel)
-                return _deserialize(executable)
+                return _deserialize(path.read_bytes())
             except Exception as err:  # a truncated or foreign file: compile again, replace it
                 logger.warning("ignoring the saved step program %s: %s", path.name, err)
         with cpu_kernels.recording() as kernels:
@@ -74,7 +71,7 @@ class ExecutableCache:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_bytes(pickle.dumps((kernels, _serialize(compiled))))
+            partial.write_bytes(_serialize(compiled, kernels))
             partial.replace(path)  # atomic: a concurrent reader sees the whole file or none
         except (OSError, ValueError, TypeError) as err:
             logger.warning("could not save the step program: %s", err)
@@ -100,19 +97,22 @@ def step_cache(directory: str | None) -> ExecutableCache:
     return ExecutableCache(None)
 
 
-def _serialize(compiled) -> bytes:
-    """The executable and the ids of the devices it runs on: loading would otherwise assign it every device of
-    the client, which a single-device program on a multi-device machine cannot run on."""
+def _serialize(compiled, kernels: set[cpu_kernels.Kernel]) -> bytes:
+    """The executable, the ids of the devices it runs on (loading would otherwise assign it every device of the
+    client, which a single-device program on a multi-device machine cannot run on) and the CPU kernels it calls."""
     from jax.experimental import serialize_executable
 
     device_ids = [device.id for device in compiled.runtime_executable().local_devices()]
-    return pickle.dumps((serialize_executable.serialize(compiled), device_ids))
+    return pickle.dumps((serialize_executable.serialize(compiled), device_ids, kernels))
 
 
 def _deserialize(data: bytes):
+    """The saved executable loaded, once the kernels it calls are registered."""
     from jax.experimental import serialize_executable
 
-    serialized, device_ids = pickle.loads(data)
+    serialized, device_ids, kernels = pickle.loads(data)
+    for kernel in kernels:
+        cpu_kernels.require(kernel)
     by_id = {device.id: device for device in jax.devices()}
     devices = [by_id[i] for i in device_ids]
     return serialize_executable.deserialize_and_load(*serialized, execution_devices=devices)

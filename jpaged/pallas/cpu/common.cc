@@ -12,7 +12,7 @@
 
 extern "C" const char* JpagedBfloat16Arithmetic() { return Bfloat16Arithmetic(); }
 // Whether the products read bfloat16 panels paired (matmul.py lays them out by it).
-extern "C" bool JpagedPairsBfloat16Panels() { return kStoresPaired<uint16_t>; }
+extern "C" bool JpagedPairsBfloat16Panels() { return kTakesPairedPanels; }
 
 // An array XLA allocates and nothing writes: the attention kernel never reads a KV slot no sequence owns, so its pool
 // needs no zero-fill, and the OS maps pages in as blocks are first written.

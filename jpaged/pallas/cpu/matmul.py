@@ -72,11 +72,9 @@ def pack(xp, w: jax.Array, paired: bool = False) -> jax.Array:
     *lead, k, n = w.shape
     if n % PANEL:  # numpy's pad copies even where it adds nothing
         w = xp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, -n % PANEL)])
-    if not paired:
-        return xp.swapaxes(w.reshape(*w.shape[:-1], -1, PANEL), -2, -3)
-    split = w.reshape(*lead, k // 2, 2, -1, PANEL)  # [.., pair, its row, panel, column]
-    order = (*range(len(lead)), len(lead) + 2, len(lead), len(lead) + 3, len(lead) + 1)
-    return xp.transpose(split, order).reshape(*lead, -1, k, PANEL)  # one copy
+    pair, d = 2 if paired else 1, len(lead)
+    split = w.reshape(*lead, k // pair, pair, -1, PANEL)  # [.., pair of rows, its row, panel, column]
+    return xp.transpose(split, (*range(d), d + 2, d, d + 3, d + 1)).reshape(*lead, -1, k, PANEL)
 
 
 def gated_packs(width: int) -> bool:
@@ -93,13 +91,10 @@ def pack_gated(xp, w: jax.Array, paired: bool = False) -> jax.Array:
             f"the gated form needs gate and up widths that are multiples of {PANEL}, got {w.shape}"
         )
     *lead, k, width = w.shape
-    d = len(lead)
-    if not paired:
-        halves = w.reshape(*lead, k, 2, width // (2 * PANEL), PANEL)  # [.., k, gate or up, its panel, column]
-        order = (*range(d), d + 2, d + 1, d, d + 3)
-    else:  # [.., pair, its row, gate or up, its panel, column]
-        halves = w.reshape(*lead, k // 2, 2, 2, width // (2 * PANEL), PANEL)
-        order = (*range(d), d + 3, d + 2, d, d + 4, d + 1)
+    pair, d = 2 if paired else 1, len(lead)
+    # [.., pair of rows, its row, gate or up, its panel, column]
+    halves = w.reshape(*lead, k // pair, pair, 2, width // (2 * PANEL), PANEL)
+    order = (*range(d), d + 3, d + 2, d, d + 4, d + 1)
     return xp.transpose(halves, order).reshape(*lead, width // PANEL, k, PANEL)  # one copy
 
 
@@ -112,10 +107,9 @@ def columns(panels: jax.Array, ids: jax.Array) -> jax.Array:
     """w[:, ids].T [len(ids), K] read from w's `kernel_panels` [P, K, 16] (a tied embedding's rows from the LM
     head's)."""
     num_panels, k, _ = panels.shape
-    if not pairs(panels.dtype, k):
-        return panels[ids // PANEL, :, ids % PANEL]
-    paired = panels.reshape(num_panels, k // 2, PANEL, 2)
-    return paired[ids // PANEL, :, ids % PANEL, :].reshape(*ids.shape, k)
+    pair = 2 if pairs(panels.dtype, k) else 1
+    rows = panels.reshape(num_panels, k // pair, PANEL, pair)[ids // PANEL, :, ids % PANEL, :]
+    return rows.reshape(*ids.shape, k)
 
 
 def matmul(

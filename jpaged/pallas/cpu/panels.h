@@ -573,13 +573,11 @@ void RunItems(ffi::ThreadPool& pool, const T* x_in, Out* out, int M, int rows, i
 }
 
 // The product of panels as matmul.py stores them (`item_panels`, `next_panels` as RunItems takes them): bfloat16
-// ones of an even K paired where this build takes pairs (kStoresPaired), any other as they are.
-template <typename T>
-constexpr bool kStoresPaired = kTakesPairedPanels && std::is_same<T, uint16_t>::value;
+// ones of an even K paired where this build takes pairs (kTakesPairedPanels), any other as they are.
 template <bool kGated, typename T, typename Out, typename Items, typename NextItems>
 void RunStoredItems(ffi::ThreadPool& pool, const T* x, Out* out, int M, int rows, int K, int N, Items item_panels,
                     NextItems next_panels) {
-  if constexpr (kStoresPaired<T>) {
+  if constexpr (kTakesPairedPanels && std::is_same<T, uint16_t>::value) {
     if (K % 2 == 0) return RunItems<kGated, true>(pool, x, out, M, rows, K, N, item_panels, next_panels);
   }
   RunItems<kGated>(pool, x, out, M, rows, K, N, item_panels, next_panels);
